@@ -1,0 +1,187 @@
+//! The embedded backend: the same semantics as Redis, inside one process.
+//!
+//! For single-process use, tests and the demo. Its clock is monotonic (a wall-clock reading
+//! taken once, advanced by `Instant`), so it plays the role of the Redis server's `TIME`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use tokio::sync::broadcast;
+
+use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, Snapshot};
+use crate::error::Result;
+use crate::keys::QuotaKeys;
+
+/// Capacity of each quota's event channel; a slow receiver loses old events (at most once).
+const EVENT_CAPACITY: usize = 1024;
+
+/// Leases kept in this process's memory.
+#[derive(Debug)]
+pub struct MemoryBackend {
+    epoch_ms: u64,
+    started: Instant,
+    quotas: Mutex<HashMap<String, QuotaState>>,
+}
+
+#[derive(Debug)]
+struct QuotaState {
+    fence: u64,
+    leases: HashMap<String, Stored>,
+    events: broadcast::Sender<QuotaEvent>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Stored {
+    token: u64,
+    acquired_at_ms: u64,
+    deadline_ms: u64,
+}
+
+impl Default for MemoryBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryBackend {
+    /// An empty backend.
+    pub fn new() -> Self {
+        let epoch_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        MemoryBackend {
+            epoch_ms,
+            started: Instant::now(),
+            quotas: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch_ms + self.started.elapsed().as_millis() as u64
+    }
+
+    fn with_quota<T>(&self, name: &str, f: impl FnOnce(&mut QuotaState, u64) -> T) -> T {
+        let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+        let state = quotas.entry(name.to_owned()).or_insert_with(|| QuotaState {
+            fence: 0,
+            leases: HashMap::new(),
+            events: broadcast::channel(EVENT_CAPACITY).0,
+        });
+        let now = self.now_ms();
+        f(state, now)
+    }
+}
+
+fn record(task_id: &str, s: Stored, now_ms: u64) -> LeaseRecord {
+    LeaseRecord {
+        task_id: task_id.to_owned(),
+        token: s.token,
+        acquired_at_ms: s.acquired_at_ms,
+        deadline_ms: s.deadline_ms,
+        now_ms,
+    }
+}
+
+#[async_trait]
+impl Backend for MemoryBackend {
+    async fn acquire(
+        &self,
+        keys: &QuotaKeys,
+        task_id: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<AcquireReply> {
+        let ttl_ms = ttl.as_millis() as u64;
+        Ok(self.with_quota(&keys.name, |q, now| {
+            q.leases.retain(|_, s| s.deadline_ms > now);
+            if let Some(s) = q.leases.get_mut(task_id) {
+                s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
+                return AcquireReply::Held(record(task_id, *s, now));
+            }
+            if q.leases.len() < limit as usize {
+                q.fence += 1;
+                let s = Stored {
+                    token: q.fence,
+                    acquired_at_ms: now,
+                    deadline_ms: now + ttl_ms,
+                };
+                q.leases.insert(task_id.to_owned(), s);
+                return AcquireReply::Acquired(record(task_id, s, now));
+            }
+            let earliest = q.leases.values().map(|s| s.deadline_ms).min();
+            AcquireReply::Full {
+                now_ms: now,
+                earliest_deadline_ms: earliest.unwrap_or(now),
+            }
+        }))
+    }
+
+    async fn renew(
+        &self,
+        keys: &QuotaKeys,
+        ttl: Duration,
+        leases: &[(String, u64)],
+    ) -> Result<Vec<RenewOutcome>> {
+        let ttl_ms = ttl.as_millis() as u64;
+        Ok(self.with_quota(&keys.name, |q, now| {
+            leases
+                .iter()
+                .map(|(id, token)| match q.leases.get_mut(id) {
+                    Some(s) if s.deadline_ms <= now => {
+                        q.leases.remove(id);
+                        RenewOutcome::Gone
+                    }
+                    Some(s) if s.token != *token => RenewOutcome::Superseded,
+                    Some(s) => {
+                        s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
+                        RenewOutcome::Renewed {
+                            deadline_ms: s.deadline_ms,
+                        }
+                    }
+                    None => RenewOutcome::Gone,
+                })
+                .collect()
+        }))
+    }
+
+    async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool> {
+        Ok(self.with_quota(&keys.name, |q, _now| {
+            let Some(s) = q.leases.get(task_id) else {
+                return false;
+            };
+            if token.is_some_and(|t| t != s.token) {
+                return false;
+            }
+            let token = s.token;
+            q.leases.remove(task_id);
+            let _ = q.events.send(QuotaEvent::Released {
+                task_id: task_id.to_owned(),
+                token,
+            });
+            true
+        }))
+    }
+
+    async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
+        Ok(self.with_quota(&keys.name, |q, now| {
+            let mut holders: Vec<LeaseRecord> = q
+                .leases
+                .iter()
+                .filter(|(_, s)| s.deadline_ms > now)
+                .map(|(id, s)| record(id, *s, now))
+                .collect();
+            holders.sort_by(|a, b| (a.deadline_ms, &a.task_id).cmp(&(b.deadline_ms, &b.task_id)));
+            Snapshot {
+                now_ms: now,
+                holders,
+            }
+        }))
+    }
+
+    async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
+        Ok(self.with_quota(&keys.name, |q, _| q.events.subscribe()))
+    }
+}

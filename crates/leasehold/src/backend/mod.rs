@@ -1,0 +1,148 @@
+//! Where leases are kept: the [`Backend`] trait and its two implementations.
+//!
+//! Both implementations keep the same semantics (same admission rules, server-side deadlines,
+//! fencing, idempotent acquire) and pass one conformance suite (`tests/conformance.rs`).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::broadcast;
+
+use crate::error::Result;
+use crate::keys::QuotaKeys;
+
+pub mod memory;
+pub mod redis;
+
+/// The answer to one admission attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AcquireReply {
+    /// A new lease was admitted.
+    Acquired(LeaseRecord),
+    /// The task id already held a lease; it was extended and is returned unchanged otherwise.
+    Held(LeaseRecord),
+    /// No slot is free.
+    Full {
+        /// Backend time of the attempt, in milliseconds.
+        now_ms: u64,
+        /// The earliest deadline among the current holders: no slot frees by expiry before it.
+        earliest_deadline_ms: u64,
+    },
+}
+
+/// One lease as the backend stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRecord {
+    /// The task id (the lease's name).
+    pub task_id: String,
+    /// The fencing token of this admission: increases with every admission in the quota.
+    pub token: u64,
+    /// When it was admitted, backend milliseconds since the Unix epoch.
+    pub acquired_at_ms: u64,
+    /// When it expires unless renewed, backend milliseconds since the Unix epoch.
+    pub deadline_ms: u64,
+    /// Backend time at which this record was read, in milliseconds.
+    pub now_ms: u64,
+}
+
+/// What a renewal found for one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewOutcome {
+    /// Still held; the new deadline in backend milliseconds.
+    Renewed {
+        /// The new deadline.
+        deadline_ms: u64,
+    },
+    /// Not held any more (expired, reaped, released, or state lost). Never re-created.
+    Gone,
+    /// The task id is held under a different fencing token: a newer admission owns it.
+    Superseded,
+}
+
+/// A point-in-time view of one quota.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Backend time of the snapshot, in milliseconds.
+    pub now_ms: u64,
+    /// The live leases, earliest deadline first.
+    pub holders: Vec<LeaseRecord>,
+}
+
+/// Something that happened to a quota, as announced on its channel. Delivery is at most once:
+/// nothing that matters depends on receiving it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QuotaEvent {
+    /// A lease was removed by a release: a slot is free.
+    Released {
+        /// The released task id.
+        task_id: String,
+        /// Its fencing token.
+        token: u64,
+    },
+    /// The subscription was (re)established; events may have been missed before it.
+    Resubscribed,
+}
+
+/// Storage for leases. Every method is one atomic step on the backend; times come from the
+/// backend's clock, never the caller's.
+#[async_trait]
+pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
+    /// Reaps expired leases, then admits `task_id` if a slot is free, or extends and returns its
+    /// lease if it already holds one.
+    async fn acquire(
+        &self,
+        keys: &QuotaKeys,
+        task_id: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<AcquireReply>;
+
+    /// Extends each `(task id, fencing token)` lease that still exists with that token to
+    /// `now + ttl`; never re-creates one. One round trip for all of them.
+    async fn renew(
+        &self,
+        keys: &QuotaKeys,
+        ttl: Duration,
+        leases: &[(String, u64)],
+    ) -> Result<Vec<RenewOutcome>>;
+
+    /// Removes the lease of `task_id` if its token is `token` (any token when `None`: the
+    /// operator's forced release). Returns whether a lease was removed; announces it if so.
+    async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool>;
+
+    /// The live leases of the quota.
+    async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot>;
+
+    /// Subscribes to the quota's events. Each call returns a new receiver of one shared
+    /// subscription per quota.
+    async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>>;
+}
+
+/// Parses the payload of a message on a quota's channel (protocol v1, see docs/PROTOCOL.md).
+pub(crate) fn parse_event(payload: &str) -> Option<QuotaEvent> {
+    let rest = payload.strip_prefix("released:")?;
+    let (token, task_id) = rest.split_once(':')?;
+    Some(QuotaEvent::Released {
+        task_id: task_id.to_owned(),
+        token: token.parse().ok()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn release_event_round_trips_ids_with_colons() {
+        // The payload release.lua publishes: 'released:' .. token .. ':' .. id
+        assert_eq!(
+            parse_event("released:42:a:b:c"),
+            Some(QuotaEvent::Released {
+                task_id: "a:b:c".into(),
+                token: 42
+            })
+        );
+        assert_eq!(parse_event("bogus"), None);
+        assert_eq!(parse_event("released:x:y"), None);
+    }
+}

@@ -1,0 +1,428 @@
+//! The Redis backend: protocol v1 (docs/PROTOCOL.md) over one multiplexed RESP3 connection.
+//!
+//! One `ConnectionManager` per backend carries every command and the Pub/Sub subscriptions
+//! (RESP3 push), reconnects by itself and resubscribes after a reconnect. All I/O runs on the
+//! leasehold runtime (see `runtime.rs`), and every call has its own timeout: a call made while
+//! the link is down would otherwise wait for the manager's whole reconnect budget.
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{ErrorKind, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError};
+use redis::{Script, ServerErrorKind, Value};
+use tokio::sync::{broadcast, mpsc};
+
+use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, Snapshot};
+use crate::error::{Error, Misconfiguration, Result};
+use crate::keys::QuotaKeys;
+use crate::runtime;
+
+static ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/acquire.lua")));
+static RENEW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/renew.lua")));
+static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/release.lua")));
+static SNAPSHOT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/snapshot.lua")));
+
+/// Capacity of each quota's event channel; a slow receiver loses old events (at most once).
+const EVENT_CAPACITY: usize = 1024;
+
+/// Options of a [`RedisBackend`].
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    /// Bound on every single Redis call, connection set-up included. Default 1 s.
+    pub call_timeout: Duration,
+    /// Bound on one attempt to open a TCP/TLS connection. Default 1 s.
+    pub connect_timeout: Duration,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            call_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Leases kept in Redis (or Valkey), shared by every process that uses the same server.
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: ConnectionManager,
+    options: RedisOptions,
+    /// Channel name -> sender of that quota's events.
+    channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
+}
+
+impl std::fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisBackend {
+    /// Connects to `url` (`redis://[user:password@]host:port[/db]` or `rediss://...`) with the
+    /// default options.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(url, RedisOptions::default()).await
+    }
+
+    /// Connects to `url` with `options`. Fails with [`Error::BackendUnavailable`] when the server
+    /// cannot be reached within the call timeout, and with [`Error::Misconfigured`] when the URL
+    /// or the credentials are wrong.
+    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self> {
+        // rustls panics at the first TLS connect unless a process-wide provider is chosen.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let info = url
+            .into_connection_info()
+            .map_err(|e| Misconfiguration::InvalidUrl(format!("{url:?}: {e}")))?;
+        let settings = info
+            .redis_settings()
+            .clone()
+            .set_protocol(ProtocolVersion::RESP3);
+        let client = redis::Client::open(info.set_redis_settings(settings))
+            .map_err(|e| Misconfiguration::InvalidUrl(format!("{url:?}: {e}")))?;
+        let timeout = options.call_timeout;
+        let connect_options = options.clone();
+        runtime::run(async move {
+            let (push_tx, push_rx) = mpsc::unbounded_channel();
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(connect_options.connect_timeout))
+                .set_response_timeout(Some(connect_options.call_timeout))
+                .set_push_sender(push_tx)
+                .set_automatic_resubscription();
+            let conn =
+                tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
+                    .await
+                    .map_err(|_| {
+                        Error::BackendUnavailable(format!("no connection within {timeout:?}"))
+                    })?
+                    .map_err(|e| map_error(e, ""))?;
+            let inner = Arc::new(Inner {
+                conn,
+                options: connect_options,
+                channels: Mutex::new(HashMap::new()),
+            });
+            tokio::spawn(dispatch_pushes(Arc::downgrade(&inner), push_rx));
+            let backend = RedisBackend { inner };
+            // Surface authentication and permission problems now, not at the first acquire.
+            backend.call_raw(redis::cmd("PING")).await?;
+            Ok(backend)
+        })
+        .await
+    }
+
+    /// Sends one raw command through the backend's connection, with the call timeout. Meant for
+    /// tools and benchmarks that need the same client path as leasehold's own calls.
+    pub async fn call<T: redis::FromRedisValue + Send + 'static>(
+        &self,
+        cmd: redis::Cmd,
+    ) -> Result<T> {
+        let this = self.clone();
+        runtime::run(async move {
+            let value = this.call_raw(cmd).await?;
+            redis::from_redis_value(value)
+                .map_err(|e| Misconfiguration::Protocol(e.to_string()).into())
+        })
+        .await
+    }
+
+    async fn call_raw(&self, cmd: redis::Cmd) -> Result<Value> {
+        let mut conn = self.inner.conn.clone();
+        self.bounded("", async move { cmd.query_async::<Value>(&mut conn).await })
+            .await
+    }
+
+    /// Runs `fut` with the call timeout, mapping errors for the quota `quota`.
+    async fn bounded<T>(
+        &self,
+        quota: &str,
+        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T> {
+        let timeout = self.inner.options.call_timeout;
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(result) => result.map_err(|e| map_error(e, quota)),
+            Err(_) => Err(Error::BackendUnavailable(format!(
+                "no reply from redis within {timeout:?}"
+            ))),
+        }
+    }
+
+    async fn invoke(
+        &self,
+        quota: String,
+        script: &'static Script,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Result<Vec<Value>> {
+        let this = self.clone();
+        runtime::run(async move {
+            let mut invocation = script.prepare_invoke();
+            for key in &keys {
+                invocation.key(key);
+            }
+            for arg in &args {
+                invocation.arg(arg);
+            }
+            let mut conn = this.inner.conn.clone();
+            this.bounded(&quota, invocation.invoke_async::<Vec<Value>>(&mut conn))
+                .await
+        })
+        .await
+    }
+}
+
+/// Routes RESP3 push messages to the quota whose channel they came from.
+async fn dispatch_pushes(inner: Weak<Inner>, mut pushes: mpsc::UnboundedReceiver<PushInfo>) {
+    while let Some(push) = pushes.recv().await {
+        let Some(inner) = inner.upgrade() else { return };
+        let channel = match push.data.first() {
+            Some(Value::BulkString(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
+            _ => continue,
+        };
+        let event = match push.kind {
+            PushKind::Message => match push.data.get(1) {
+                Some(Value::BulkString(payload)) => {
+                    match super::parse_event(&String::from_utf8_lossy(payload)) {
+                        Some(event) => event,
+                        None => continue,
+                    }
+                }
+                _ => continue,
+            },
+            PushKind::Subscribe => QuotaEvent::Resubscribed,
+            _ => continue,
+        };
+        let channels = inner.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(sender) = channels.get(&channel) {
+            let _ = sender.send(event);
+        }
+    }
+}
+
+/// Maps a redis-rs error to the operator's categories.
+fn map_error(e: RedisError, quota: &str) -> Error {
+    let text = e.to_string();
+    let code = e.code().unwrap_or("");
+    if code == "WRONGTYPE" || text.contains("WRONGTYPE") {
+        return Misconfiguration::WrongType {
+            quota: quota.to_owned(),
+            detail: text,
+        }
+        .into();
+    }
+    if code == "NOPERM" || text.contains("NOPERM") {
+        return Misconfiguration::NoPermission(text).into();
+    }
+    if matches!(code, "NOAUTH" | "WRONGPASS")
+        || text.contains("WRONGPASS")
+        || text.contains("NOAUTH")
+        || e.kind() == ErrorKind::AuthenticationFailed
+    {
+        return Misconfiguration::Auth(text).into();
+    }
+    match e.kind() {
+        ErrorKind::InvalidClientConfig => Misconfiguration::InvalidUrl(text).into(),
+        ErrorKind::Parse | ErrorKind::UnexpectedReturnType => {
+            Misconfiguration::Protocol(text).into()
+        }
+        ErrorKind::Server(ServerErrorKind::CrossSlot) => Misconfiguration::Protocol(text).into(),
+        _ => Error::BackendUnavailable(text),
+    }
+}
+
+fn int(v: Option<&Value>) -> Result<u64> {
+    match v {
+        Some(Value::Int(i)) if *i >= 0 => Ok(*i as u64),
+        other => {
+            Err(Misconfiguration::Protocol(format!("expected an integer, got {other:?}")).into())
+        }
+    }
+}
+
+fn text(v: Option<&Value>) -> Result<String> {
+    match v {
+        Some(Value::BulkString(b)) => Ok(String::from_utf8_lossy(b).into_owned()),
+        Some(Value::SimpleString(s)) => Ok(s.clone()),
+        other => {
+            Err(Misconfiguration::Protocol(format!("expected a string, got {other:?}")).into())
+        }
+    }
+}
+
+fn lease_record(task_id: &str, reply: &[Value]) -> Result<LeaseRecord> {
+    Ok(LeaseRecord {
+        task_id: task_id.to_owned(),
+        token: int(reply.get(1))?,
+        acquired_at_ms: int(reply.get(2))?,
+        deadline_ms: int(reply.get(3))?,
+        now_ms: int(reply.get(4))?,
+    })
+}
+
+#[async_trait]
+impl Backend for RedisBackend {
+    async fn acquire(
+        &self,
+        keys: &QuotaKeys,
+        task_id: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<AcquireReply> {
+        let reply = self
+            .invoke(
+                keys.name.clone(),
+                &ACQUIRE,
+                vec![
+                    keys.leases.clone(),
+                    keys.holders.clone(),
+                    keys.fence.clone(),
+                ],
+                vec![
+                    task_id.to_owned(),
+                    ttl.as_millis().to_string(),
+                    limit.to_string(),
+                ],
+            )
+            .await?;
+        match int(reply.first())? {
+            1 => Ok(AcquireReply::Acquired(lease_record(task_id, &reply)?)),
+            2 => Ok(AcquireReply::Held(lease_record(task_id, &reply)?)),
+            0 => Ok(AcquireReply::Full {
+                earliest_deadline_ms: int(reply.get(1))?,
+                now_ms: int(reply.get(2))?,
+            }),
+            other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
+        }
+    }
+
+    async fn renew(
+        &self,
+        keys: &QuotaKeys,
+        ttl: Duration,
+        leases: &[(String, u64)],
+    ) -> Result<Vec<RenewOutcome>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut args = Vec::with_capacity(1 + 2 * leases.len());
+        args.push(ttl.as_millis().to_string());
+        for (id, token) in leases {
+            args.push(id.clone());
+            args.push(token.to_string());
+        }
+        let reply = self
+            .invoke(
+                keys.name.clone(),
+                &RENEW,
+                vec![keys.leases.clone(), keys.holders.clone()],
+                args,
+            )
+            .await?;
+        if reply.len() != 1 + 2 * leases.len() {
+            return Err(Misconfiguration::Protocol(format!(
+                "renew replied {} values for {} leases",
+                reply.len(),
+                leases.len()
+            ))
+            .into());
+        }
+        reply[1..]
+            .chunks(2)
+            .map(|pair| match int(pair.first())? {
+                1 => Ok(RenewOutcome::Renewed {
+                    deadline_ms: int(pair.get(1))?,
+                }),
+                2 => Ok(RenewOutcome::Superseded),
+                _ => Ok(RenewOutcome::Gone),
+            })
+            .collect()
+    }
+
+    async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool> {
+        let token = token.map_or_else(|| "*".to_owned(), |t| t.to_string());
+        let reply = self
+            .invoke(
+                keys.name.clone(),
+                &RELEASE,
+                vec![keys.leases.clone(), keys.holders.clone()],
+                vec![task_id.to_owned(), token, keys.events.clone()],
+            )
+            .await?;
+        Ok(int(reply.first())? == 1)
+    }
+
+    async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
+        let reply = self
+            .invoke(
+                keys.name.clone(),
+                &SNAPSHOT,
+                vec![keys.leases.clone(), keys.holders.clone()],
+                vec![],
+            )
+            .await?;
+        let now_ms = int(reply.first())?;
+        let holders = reply[1..]
+            .chunks(4)
+            .map(|c| {
+                Ok(LeaseRecord {
+                    task_id: text(c.first())?,
+                    token: int(c.get(1))?,
+                    acquired_at_ms: int(c.get(2))?,
+                    deadline_ms: int(c.get(3))?,
+                    now_ms,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Snapshot { now_ms, holders })
+    }
+
+    async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
+        let (receiver, fresh) = {
+            let mut channels = self
+                .inner
+                .channels
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            match channels.get(&keys.events) {
+                Some(sender) => (sender.subscribe(), false),
+                None => {
+                    let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
+                    channels.insert(keys.events.clone(), sender);
+                    (receiver, true)
+                }
+            }
+        };
+        if fresh {
+            let this = self.clone();
+            let channel = keys.events.clone();
+            let result = runtime::run(async move {
+                let mut conn = this.inner.conn.clone();
+                this.bounded("", async move { conn.subscribe(&channel).await })
+                    .await
+            })
+            .await;
+            if let Err(e) = result {
+                // Let the next caller try again.
+                self.inner
+                    .channels
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&keys.events);
+                return Err(e);
+            }
+        }
+        Ok(receiver)
+    }
+}

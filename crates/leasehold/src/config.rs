@@ -1,0 +1,184 @@
+//! [`QuotaBuilder`]: a quota's settings, checked before any backend call.
+
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+use crate::backend::memory::MemoryBackend;
+use crate::backend::Backend;
+use crate::error::{Misconfiguration, Result};
+use crate::keys::{validate_limit, QuotaKeys};
+use crate::quota::Quota;
+
+/// Shortest lease ttl accepted.
+pub const MIN_TTL: Duration = Duration::from_millis(50);
+/// Longest lease ttl accepted.
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// The embedded backend every quota built without [`QuotaBuilder::backend`] shares, so that two
+/// handles to one quota name in one process see the same leases.
+static EMBEDDED: LazyLock<Arc<MemoryBackend>> = LazyLock::new(|| Arc::new(MemoryBackend::new()));
+
+/// The validated settings of a quota.
+#[derive(Debug, Clone)]
+pub(crate) struct QuotaConfig {
+    pub(crate) limit: u32,
+    pub(crate) ttl: Duration,
+    pub(crate) heartbeat: Duration,
+    pub(crate) safety_margin: Duration,
+    pub(crate) poll_interval: Duration,
+}
+
+impl QuotaConfig {
+    /// The holder's own deadline for a lease whose admission or renewal was sent at `sent`.
+    pub(crate) fn local_deadline(&self, sent: Instant) -> Instant {
+        sent + self.ttl - self.safety_margin
+    }
+}
+
+/// Builds a [`Quota`]; see [`Quota::builder`].
+#[derive(Debug, Clone)]
+pub struct QuotaBuilder {
+    name: String,
+    limit: Option<u64>,
+    ttl: Duration,
+    heartbeat: Option<Duration>,
+    safety_margin: Option<Duration>,
+    poll_interval: Duration,
+    backend: Option<Arc<dyn Backend>>,
+}
+
+impl QuotaBuilder {
+    pub(crate) fn new(name: impl Into<String>) -> Self {
+        QuotaBuilder {
+            name: name.into(),
+            limit: None,
+            ttl: Duration::from_secs(10),
+            heartbeat: None,
+            safety_margin: None,
+            poll_interval: Duration::from_millis(250),
+            backend: None,
+        }
+    }
+
+    /// How many leases may be held at once, fleet-wide. Required; 1 to [`MAX_LIMIT`](crate::MAX_LIMIT).
+    pub fn limit(mut self, limit: u64) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+
+    /// How long a lease lives without a renewal: a crashed holder's slot is reclaimed this long
+    /// after its last heartbeat. Default 10 s.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How often leases are renewed. Default ttl / 3; must leave room for a renewal to arrive
+    /// before the local deadline (ttl − safety margin).
+    pub fn heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = Some(every);
+        self
+    }
+
+    /// How much earlier than the backend the holder gives up a lease it cannot renew, to cover
+    /// network delay and clock-rate differences. Default ttl / 20, at least 10 ms.
+    pub fn safety_margin(mut self, margin: Duration) -> Self {
+        self.safety_margin = Some(margin);
+        self
+    }
+
+    /// Bound on how long a waiter sleeps between attempts when no wake-up arrives (Pub/Sub can
+    /// lose messages). Each sleep is jittered between half and one and a half of it. Default
+    /// 250 ms.
+    pub fn poll_interval(mut self, every: Duration) -> Self {
+        self.poll_interval = every;
+        self
+    }
+
+    /// Where the leases live: a [`RedisBackend`](crate::RedisBackend) for a fleet, or a
+    /// [`MemoryBackend`] for one process. Default: the process-wide embedded memory backend.
+    pub fn backend(mut self, backend: impl Backend) -> Self {
+        self.backend = Some(Arc::new(backend));
+        self
+    }
+
+    /// Like [`backend`](Self::backend), for a backend already shared behind an `Arc`.
+    pub fn shared_backend(mut self, backend: Arc<dyn Backend>) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Checks the settings and returns the quota. Makes no backend call.
+    pub fn build(self) -> Result<Quota> {
+        let keys = QuotaKeys::new(&self.name)?;
+        let limit = validate_limit(
+            self.limit
+                .ok_or_else(|| Misconfiguration::InvalidLimit(0))?,
+        )?;
+        let timing = |why: String| Misconfiguration::InvalidTiming(why);
+        if self.ttl < MIN_TTL || self.ttl > MAX_TTL {
+            return Err(timing(format!(
+                "ttl {:?} must be between {MIN_TTL:?} and {MAX_TTL:?}",
+                self.ttl
+            ))
+            .into());
+        }
+        let safety_margin = self
+            .safety_margin
+            .unwrap_or((self.ttl / 20).max(Duration::from_millis(10)));
+        if safety_margin >= self.ttl / 2 {
+            return Err(timing(format!(
+                "safety margin {safety_margin:?} must be below half the ttl {:?}",
+                self.ttl
+            ))
+            .into());
+        }
+        let heartbeat = self.heartbeat.unwrap_or(self.ttl / 3);
+        if heartbeat.is_zero() || heartbeat >= self.ttl - safety_margin {
+            return Err(timing(format!(
+                "heartbeat {heartbeat:?} must be above zero and below ttl − safety margin {:?}",
+                self.ttl - safety_margin
+            ))
+            .into());
+        }
+        if self.poll_interval < Duration::from_millis(1) {
+            return Err(timing("poll interval must be at least 1 ms".into()).into());
+        }
+        let backend = self
+            .backend
+            .unwrap_or_else(|| EMBEDDED.clone() as Arc<dyn Backend>);
+        let config = QuotaConfig {
+            limit,
+            ttl: self.ttl,
+            heartbeat,
+            safety_margin,
+            poll_interval: self.poll_interval,
+        };
+        Ok(Quota::start(keys, config, backend))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    fn misconfigured(b: QuotaBuilder) -> bool {
+        matches!(b.build(), Err(Error::Misconfigured(_)))
+    }
+
+    #[test]
+    fn settings_are_checked_before_any_call() {
+        let q = || QuotaBuilder::new("q").limit(3);
+        assert!(misconfigured(QuotaBuilder::new("q")), "limit is required");
+        assert!(misconfigured(q().limit(0)));
+        assert!(misconfigured(q().ttl(Duration::from_millis(1))));
+        assert!(misconfigured(
+            q().ttl(Duration::from_secs(1))
+                .heartbeat(Duration::from_secs(1))
+        ));
+        assert!(misconfigured(q().heartbeat(Duration::ZERO)));
+        assert!(misconfigured(q().safety_margin(Duration::from_secs(6))));
+        assert!(misconfigured(QuotaBuilder::new("a{b}").limit(1)));
+    }
+}

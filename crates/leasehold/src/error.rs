@@ -1,0 +1,123 @@
+//! Typed errors, split the way an operator needs them.
+
+use std::time::Duration;
+
+/// Why a [`Lease`](crate::Lease) is no longer held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LostReason {
+    /// A renewal found the lease gone from the backend: its deadline passed (the holder stopped
+    /// renewing for longer than the ttl) or the backend lost its state.
+    Expired,
+    /// The lease was released by someone else: another handle, another process holding the same
+    /// task id, or an operator's forced release.
+    ReleasedElsewhere,
+    /// The same task id was admitted again with a newer fencing token; this admission is stale.
+    Superseded,
+    /// The task was cancelled; the text is the canceller's reason.
+    Cancelled(String),
+    /// The backend could not confirm a renewal before the holder's own monotonic deadline
+    /// (last acknowledged renewal + ttl − safety margin). The backend may already have given the
+    /// slot to someone else, so the holder must stop.
+    LocalDeadline,
+    /// This process released the lease itself.
+    Released,
+}
+
+impl std::fmt::Display for LostReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LostReason::Expired => f.write_str("lease expired"),
+            LostReason::ReleasedElsewhere => f.write_str("lease released elsewhere"),
+            LostReason::Superseded => f.write_str("lease superseded by a newer admission"),
+            LostReason::Cancelled(reason) => write!(f, "task cancelled: {reason}"),
+            LostReason::LocalDeadline => {
+                f.write_str("local deadline passed while the backend was unreachable")
+            }
+            LostReason::Released => f.write_str("lease released by its holder"),
+        }
+    }
+}
+
+/// What is wrong with the configuration or the input; retrying will not help.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Misconfiguration {
+    /// The limit is 0 or above [`MAX_LIMIT`](crate::MAX_LIMIT).
+    #[error("invalid limit {0}: must be between 1 and {max}", max = crate::MAX_LIMIT)]
+    InvalidLimit(u64),
+    /// The task id is empty or longer than [`MAX_TASK_ID_BYTES`](crate::MAX_TASK_ID_BYTES).
+    #[error("invalid task id: {0}")]
+    InvalidTaskId(String),
+    /// The quota name would break the key scheme.
+    #[error("invalid quota name: {0}")]
+    InvalidQuotaName(String),
+    /// The ttl, heartbeat or timeout settings contradict each other.
+    #[error("invalid timing: {0}")]
+    InvalidTiming(String),
+    /// The backend URL cannot be used.
+    #[error("invalid backend url: {0}")]
+    InvalidUrl(String),
+    /// One of the quota's keys exists with another type (WRONGTYPE).
+    #[error("a key of quota {quota:?} holds the wrong type of value: {detail}")]
+    WrongType {
+        /// The quota whose keys are affected.
+        quota: String,
+        /// The server's message.
+        detail: String,
+    },
+    /// The server refused the credentials (NOAUTH, WRONGPASS).
+    #[error("authentication failed: {0}")]
+    Auth(String),
+    /// The ACL user may not run a command leasehold needs (NOPERM).
+    #[error("permission denied: {0}")]
+    NoPermission(String),
+    /// The backend answered in a way this version of the protocol does not understand.
+    #[error("unexpected reply from backend: {0}")]
+    Protocol(String),
+}
+
+/// Every error leasehold returns.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// No slot is free right now ([`Quota::try_acquire`](crate::Quota::try_acquire)).
+    #[error("quota {quota:?} is full ({limit} of {limit} slots held)")]
+    Full {
+        /// The quota's name.
+        quota: String,
+        /// Its limit.
+        limit: u32,
+    },
+    /// No slot became free within the time the caller allowed.
+    #[error("no slot in quota {quota:?} within {waited:?}")]
+    TimedOut {
+        /// The quota's name.
+        quota: String,
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// The lease is no longer held.
+    #[error("{0}")]
+    LeaseLost(LostReason),
+    /// The task was cancelled before or while it waited.
+    #[error("task cancelled: {0}")]
+    Cancelled(String),
+    /// The backend could not be reached or answered with a transient error (connection refused,
+    /// timeout, LOADING, READONLY, ...). Retrying later may succeed.
+    #[error("backend unavailable: {0}")]
+    BackendUnavailable(String),
+    /// The configuration or input is wrong; retrying will not help.
+    #[error("misconfigured: {0}")]
+    Misconfigured(#[from] Misconfiguration),
+}
+
+impl Error {
+    /// True when retrying the same call later may succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Error::Full { .. } | Error::TimedOut { .. } | Error::BackendUnavailable(_)
+        )
+    }
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,34 @@
+//! The per-quota listener of release events: it wakes waiters, and tells a holder at once when
+//! its lease was released by someone else.
+//!
+//! Events are only a fast path (Pub/Sub delivers at most once): waiters also have timers and
+//! polls, and holders learn the same facts from their next renewal.
+
+use std::sync::Weak;
+
+use tokio::sync::broadcast::{self, error::RecvError};
+
+use crate::backend::QuotaEvent;
+use crate::error::LostReason;
+use crate::quota::Shared;
+
+pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver<QuotaEvent>) {
+    loop {
+        let event = events.recv().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        match event {
+            Ok(QuotaEvent::Released { task_id, token }) => {
+                if let Some(lease) = shared.lease(&task_id) {
+                    if lease.token == token {
+                        lease.mark_lost(LostReason::ReleasedElsewhere);
+                    }
+                }
+                shared.slot_freed();
+            }
+            Ok(QuotaEvent::Resubscribed) | Err(RecvError::Lagged(_)) => shared.recheck_all(),
+            Err(RecvError::Closed) => return,
+        }
+    }
+}

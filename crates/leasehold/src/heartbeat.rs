@@ -1,0 +1,90 @@
+//! Renewal: one task per quota on the leasehold runtime renews every live lease of the quota in
+//! this process with one backend call per heartbeat interval, and fires `lost` at each lease's
+//! local deadline when renewals cannot get through.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use tokio::time::sleep_until;
+
+use crate::backend::RenewOutcome;
+use crate::error::LostReason;
+use crate::lease::LeaseInner;
+use crate::quota::Shared;
+use crate::runtime;
+
+/// Most leases sent in one renewal call; more are split so one script never blocks Redis long.
+const RENEW_BATCH: usize = 5000;
+
+pub(crate) fn start(shared: &Arc<Shared>) {
+    let changed = shared.registry_changed.clone();
+    runtime::spawn(run(Arc::downgrade(shared), changed));
+}
+
+async fn run(shared: Weak<Shared>, changed: Arc<tokio::sync::Notify>) {
+    let in_flight = Arc::new(AtomicBool::new(false));
+    let mut next_beat = Instant::now();
+    loop {
+        let wake_at = {
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            let now = Instant::now();
+            let leases = shared.leases();
+            for lease in &leases {
+                if now >= lease.local_deadline() {
+                    lease.mark_lost(LostReason::LocalDeadline);
+                }
+            }
+            if now >= next_beat {
+                next_beat = now + shared.config.heartbeat;
+                let live: Vec<_> = leases.into_iter().filter(|l| !l.is_lost()).collect();
+                if !live.is_empty() && !in_flight.swap(true, Ordering::AcqRel) {
+                    let flag = in_flight.clone();
+                    runtime::spawn(async move {
+                        renew(&shared, live).await;
+                        flag.store(false, Ordering::Release);
+                    });
+                }
+                next_beat
+            } else {
+                let earliest = leases.iter().map(|l| l.local_deadline()).min();
+                earliest.map_or(next_beat, |d| d.min(next_beat))
+            }
+        };
+        tokio::select! {
+            _ = sleep_until(wake_at.into()) => {}
+            _ = changed.notified() => {}
+        }
+    }
+}
+
+async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
+    for batch in leases.chunks(RENEW_BATCH) {
+        let pairs: Vec<(String, u64)> =
+            batch.iter().map(|l| (l.task_id.clone(), l.token)).collect();
+        let sent = Instant::now();
+        match shared
+            .backend
+            .renew(&shared.keys, shared.config.ttl, &pairs)
+            .await
+        {
+            Ok(outcomes) => {
+                for (lease, outcome) in batch.iter().zip(outcomes) {
+                    match outcome {
+                        RenewOutcome::Renewed { deadline_ms } => lease.renewed(deadline_ms, sent),
+                        RenewOutcome::Gone => {
+                            lease.mark_lost(LostReason::Expired);
+                        }
+                        RenewOutcome::Superseded => {
+                            lease.mark_lost(LostReason::Superseded);
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(quota = %shared.keys.name, leases = batch.len(), error = %e,
+                "renewal failed; leases keep their local deadlines"),
+        }
+    }
+}

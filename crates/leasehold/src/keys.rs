@@ -1,0 +1,122 @@
+//! The key scheme of protocol version 1 (see docs/PROTOCOL.md) and input validation.
+
+use crate::error::{Misconfiguration, Result};
+
+/// Version of the wire protocol these keys and scripts implement.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest limit a quota may have.
+pub const MAX_LIMIT: u32 = 1_000_000;
+
+/// Largest task id, in bytes.
+pub const MAX_TASK_ID_BYTES: usize = 1024;
+
+/// Largest quota name, in bytes.
+pub const MAX_QUOTA_NAME_BYTES: usize = 256;
+
+/// The Redis keys and channel of one quota. All share the hash tag `{<quota>}` so that they live
+/// in one Cluster slot and one script may touch them all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaKeys {
+    /// The quota's name.
+    pub name: String,
+    /// ZSET: member = task id, score = lease deadline in server milliseconds.
+    pub leases: String,
+    /// HASH: field = task id, value = `<fencing token>:<acquired at, server ms>`.
+    pub holders: String,
+    /// STRING counter: the last fencing token handed out.
+    pub fence: String,
+    /// Pub/Sub channel for release events.
+    pub events: String,
+}
+
+impl QuotaKeys {
+    /// Keys for the quota `name`, which must already be valid.
+    pub fn new(name: &str) -> Result<Self> {
+        validate_quota_name(name)?;
+        let base = format!("leasehold:{{{name}}}");
+        Ok(QuotaKeys {
+            name: name.to_owned(),
+            leases: format!("{base}:leases"),
+            holders: format!("{base}:holders"),
+            fence: format!("{base}:fence"),
+            events: format!("{base}:events"),
+        })
+    }
+}
+
+/// Rejects names that would break the hash tag (braces), control characters, and names that are
+/// empty or longer than [`MAX_QUOTA_NAME_BYTES`].
+pub fn validate_quota_name(name: &str) -> Result<()> {
+    let bad =
+        |why: &str| Err(Misconfiguration::InvalidQuotaName(format!("{name:?}: {why}")).into());
+    if name.is_empty() {
+        return bad("empty");
+    }
+    if name.len() > MAX_QUOTA_NAME_BYTES {
+        return bad("longer than 256 bytes");
+    }
+    if name.contains(['{', '}']) {
+        return bad("braces would break the key's hash tag");
+    }
+    if name.chars().any(char::is_control) {
+        return bad("control characters are not allowed");
+    }
+    Ok(())
+}
+
+/// Rejects task ids that are empty, longer than [`MAX_TASK_ID_BYTES`] or hold control characters.
+pub fn validate_task_id(id: &str) -> Result<()> {
+    let shown: String = id.chars().take(40).collect();
+    let bad = |why: &str| Err(Misconfiguration::InvalidTaskId(format!("{shown:?}: {why}")).into());
+    if id.is_empty() {
+        return bad("empty");
+    }
+    if id.len() > MAX_TASK_ID_BYTES {
+        return bad("longer than 1024 bytes");
+    }
+    if id.chars().any(char::is_control) {
+        return bad("control characters are not allowed");
+    }
+    Ok(())
+}
+
+/// Rejects a limit of 0 or above [`MAX_LIMIT`].
+pub fn validate_limit(limit: u64) -> Result<u32> {
+    if limit == 0 || limit > u64::from(MAX_LIMIT) {
+        return Err(Misconfiguration::InvalidLimit(limit).into());
+    }
+    Ok(limit as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_share_one_hash_tag() {
+        let k = QuotaKeys::new("llm:gpt").unwrap();
+        assert_eq!(k.leases, "leasehold:{llm:gpt}:leases");
+        assert_eq!(k.holders, "leasehold:{llm:gpt}:holders");
+        assert_eq!(k.fence, "leasehold:{llm:gpt}:fence");
+        assert_eq!(k.events, "leasehold:{llm:gpt}:events");
+    }
+
+    #[test]
+    fn bad_names_and_ids_are_rejected() {
+        assert!(QuotaKeys::new("").is_err());
+        assert!(QuotaKeys::new("a{b").is_err());
+        assert!(QuotaKeys::new("a}b").is_err());
+        assert!(QuotaKeys::new("a\nb").is_err());
+        assert!(QuotaKeys::new(&"x".repeat(257)).is_err());
+        assert!(QuotaKeys::new("with space:and colon").is_ok());
+        assert!(validate_task_id("").is_err());
+        assert!(validate_task_id(&"x".repeat(1025)).is_err());
+        assert!(validate_task_id("tab\there").is_err());
+        assert!(validate_task_id(&"x".repeat(1024)).is_ok());
+        assert!(validate_task_id("日本語 ok").is_ok());
+        assert!(validate_limit(0).is_err());
+        assert!(validate_limit(u64::from(MAX_LIMIT) + 1).is_err());
+        assert_eq!(validate_limit(10).unwrap(), 10);
+    }
+}

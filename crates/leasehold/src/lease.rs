@@ -1,0 +1,248 @@
+//! [`Lease`]: a held slot, released when dropped, renewed while it lives.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::LeaseRecord;
+use crate::error::{Error, LostReason, Result};
+use crate::quota::Shared;
+use crate::runtime;
+
+/// A held slot of a [`Quota`](crate::Quota).
+///
+/// While a `Lease` lives, leasehold renews it in the background (one batched call per heartbeat
+/// for all leases of the quota in this process). Dropping it releases the slot in the background;
+/// [`release`](Lease::release) does it now and reports errors. Clones of a `Lease` (and handles
+/// returned by an idempotent re-acquire of the same task id) share one lease: it is released when
+/// the last of them is dropped, or at the first explicit `release`.
+///
+/// A lease can be lost while held: await [`lost`](Lease::lost) (or watch
+/// [`lost_token`](Lease::lost_token)) beside the protected work and stop when it fires.
+#[derive(Clone)]
+pub struct Lease {
+    inner: Arc<LeaseInner>,
+}
+
+pub(crate) struct LeaseInner {
+    pub(crate) quota: Arc<Shared>,
+    pub(crate) task_id: String,
+    pub(crate) token: u64,
+    acquired_at_ms: u64,
+    times: Mutex<Times>,
+    lost: watch::Sender<Option<LostReason>>,
+    lost_token: CancellationToken,
+    release_sent: AtomicBool,
+}
+
+#[derive(Clone, Copy)]
+struct Times {
+    deadline_ms: u64,
+    local_deadline: Instant,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("quota", &self.inner.quota.keys.name)
+            .field("task_id", &self.inner.task_id)
+            .field("fencing_token", &self.inner.token)
+            .field("lost", &self.lost_reason())
+            .finish()
+    }
+}
+
+fn system_time(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+impl LeaseInner {
+    /// A lease admitted by an attempt sent at `sent`.
+    pub(crate) fn new(quota: Arc<Shared>, record: &LeaseRecord, sent: Instant) -> Self {
+        let local_deadline = quota.config.local_deadline(sent);
+        LeaseInner {
+            quota,
+            task_id: record.task_id.clone(),
+            token: record.token,
+            acquired_at_ms: record.acquired_at_ms,
+            times: Mutex::new(Times {
+                deadline_ms: record.deadline_ms,
+                local_deadline,
+            }),
+            lost: watch::channel(None).0,
+            lost_token: CancellationToken::new(),
+            release_sent: AtomicBool::new(false),
+        }
+    }
+
+    fn times(&self) -> Times {
+        *self.times.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn local_deadline(&self) -> Instant {
+        self.times().local_deadline
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.borrow().is_some()
+    }
+
+    /// Records a renewal acknowledged by the backend for a call sent at `sent`.
+    pub(crate) fn renewed(&self, deadline_ms: u64, sent: Instant) {
+        let local = self.quota.config.local_deadline(sent);
+        let mut times = self.times.lock().unwrap_or_else(|e| e.into_inner());
+        times.deadline_ms = times.deadline_ms.max(deadline_ms);
+        times.local_deadline = times.local_deadline.max(local);
+    }
+
+    /// Marks the lease lost (first reason wins); returns whether this call marked it.
+    pub(crate) fn mark_lost(&self, reason: LostReason) -> bool {
+        let marked = self.lost.send_if_modified(|current| {
+            if current.is_some() {
+                return false;
+            }
+            *current = Some(reason.clone());
+            true
+        });
+        if marked {
+            if reason != LostReason::Released {
+                tracing::warn!(quota = %self.quota.keys.name, task_id = %self.task_id,
+                    token = self.token, %reason, "lease lost");
+            }
+            self.lost_token.cancel();
+            self.quota.forget(self);
+        }
+        marked
+    }
+
+    /// Marks the lease released and says whether the backend still needs a release call: once,
+    /// and only while the backend may still hold it (not after it was found gone there).
+    pub(crate) fn claim_release(&self) -> bool {
+        self.mark_lost(LostReason::Released);
+        let may_be_held = matches!(
+            *self.lost.borrow(),
+            Some(LostReason::Released | LostReason::LocalDeadline | LostReason::Cancelled(_))
+        );
+        may_be_held && !self.release_sent.swap(true, Ordering::AcqRel)
+    }
+}
+
+impl Drop for LeaseInner {
+    fn drop(&mut self) {
+        if self.claim_release() {
+            let quota = self.quota.clone();
+            let task_id = std::mem::take(&mut self.task_id);
+            let token = self.token;
+            runtime::spawn(async move {
+                if let Err(e) = quota.release_in_backend(&task_id, Some(token)).await {
+                    tracing::warn!(quota = %quota.keys.name, %task_id, token, error = %e,
+                        "background release failed; the lease will expire after its ttl");
+                }
+            });
+        }
+    }
+}
+
+impl Lease {
+    pub(crate) fn from_inner(inner: Arc<LeaseInner>) -> Self {
+        Lease { inner }
+    }
+
+    /// The task id this lease is held for.
+    pub fn task_id(&self) -> &str {
+        &self.inner.task_id
+    }
+
+    /// The fencing token of this admission: it increases with every admission in the quota, so
+    /// a resource that can check it may reject a stale holder.
+    pub fn fencing_token(&self) -> u64 {
+        self.inner.token
+    }
+
+    /// The name of the quota this lease belongs to.
+    pub fn quota_name(&self) -> &str {
+        &self.inner.quota.keys.name
+    }
+
+    /// When the lease was admitted, by the backend's clock.
+    pub fn acquired_at(&self) -> SystemTime {
+        system_time(self.inner.acquired_at_ms)
+    }
+
+    /// The deadline last acknowledged by the backend, by the backend's clock: the slot is
+    /// reclaimed then unless renewed.
+    pub fn deadline(&self) -> SystemTime {
+        system_time(self.inner.times().deadline_ms)
+    }
+
+    /// The holder's own monotonic deadline: last acknowledged renewal (or admission) + ttl −
+    /// safety margin, measured from when that call was sent. The lease is reported lost at this
+    /// instant if no renewal is acknowledged before it.
+    pub fn local_deadline(&self) -> Instant {
+        self.inner.local_deadline()
+    }
+
+    /// Why the lease is no longer held, or `None` while it is.
+    pub fn lost_reason(&self) -> Option<LostReason> {
+        self.inner.lost.borrow().clone()
+    }
+
+    /// True while the lease is held as far as this process knows.
+    pub fn is_held(&self) -> bool {
+        !self.inner.is_lost()
+    }
+
+    /// Resolves when the lease is no longer held, with the reason. Resolves at once if it is
+    /// already lost.
+    ///
+    /// ```no_run
+    /// # async fn work() {}
+    /// # async fn example(lease: leasehold::Lease) {
+    /// tokio::select! {
+    ///     _ = work() => {}
+    ///     reason = lease.lost() => eprintln!("stopping: {reason}"),
+    /// }
+    /// # }
+    /// ```
+    pub async fn lost(&self) -> LostReason {
+        let mut rx = self.inner.lost.subscribe();
+        let result = rx.wait_for(Option::is_some).await;
+        match result {
+            Ok(reason) => reason.clone().unwrap_or(LostReason::Released),
+            // The sender lives in `inner`, which `self` keeps alive.
+            Err(_) => LostReason::Released,
+        }
+    }
+
+    /// A token cancelled when the lease is lost, for code that already speaks
+    /// `tokio_util::sync::CancellationToken`.
+    pub fn lost_token(&self) -> CancellationToken {
+        self.inner.lost_token.clone()
+    }
+
+    /// Fails with [`Error::LeaseLost`] if the lease is no longer held. Call it before an
+    /// irreversible step; it reads local state only.
+    pub fn ensure_held(&self) -> Result<()> {
+        match self.lost_reason() {
+            None => Ok(()),
+            Some(reason) => Err(Error::LeaseLost(reason)),
+        }
+    }
+
+    /// Releases the slot now. Idempotent: a second call, or a call after the lease was lost, does
+    /// nothing and succeeds. The backend only removes the lease while it still carries this
+    /// fencing token, so a late release can never free someone else's slot.
+    pub async fn release(&self) -> Result<()> {
+        if !self.inner.claim_release() {
+            return Ok(());
+        }
+        self.inner
+            .quota
+            .release_in_backend(&self.inner.task_id, Some(self.inner.token))
+            .await
+            .map(|_| ())
+    }
+}

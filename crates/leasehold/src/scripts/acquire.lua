@@ -1,0 +1,46 @@
+-- leasehold protocol v1: acquire
+-- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
+-- KEYS[3] fence (STRING counter)
+-- ARGV[1] task id   ARGV[2] ttl ms   ARGV[3] limit
+-- Reply: {1, token, acquired_ms, deadline_ms, now_ms}  acquired (a new admission)
+--        {2, token, acquired_ms, deadline_ms, now_ms}  held (this id already held a lease; extended)
+--        {0, earliest_deadline_ms, now_ms}            full
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local limit = tonumber(ARGV[3])
+
+-- Reap expired leases and their metadata; no janitor runs anywhere else.
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  for i = 1, #expired, 1000 do
+    redis.call('HDEL', KEYS[2], unpack(expired, i, math.min(i + 999, #expired)))
+  end
+end
+
+local score = redis.call('ZSCORE', KEYS[1], id)
+if score then
+  local deadline = math.max(tonumber(score), now + ttl)
+  redis.call('ZADD', KEYS[1], 'XX', deadline, id)
+  local meta = redis.call('HGET', KEYS[2], id)
+  local token, acquired = 0, now
+  if meta then
+    local sep = string.find(meta, ':', 1, true)
+    token = tonumber(string.sub(meta, 1, sep - 1))
+    acquired = tonumber(string.sub(meta, sep + 1))
+  end
+  return {2, token, acquired, deadline, now}
+end
+
+if redis.call('ZCARD', KEYS[1]) < limit then
+  local token = redis.call('INCR', KEYS[3])
+  local deadline = now + ttl
+  redis.call('ZADD', KEYS[1], deadline, id)
+  redis.call('HSET', KEYS[2], id, token .. ':' .. now)
+  return {1, token, now, deadline, now}
+end
+
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {0, tonumber(first[2]), now}

@@ -1,0 +1,179 @@
+//! The queue of tasks in this process that wait for a slot of one quota.
+//!
+//! Waiters are served in arrival order: a wake-up (a release announced on the quota's channel)
+//! goes to the earliest waiter that is not already attempting, so when one slot frees, the
+//! oldest waiter tries first; when several free, several try at once. Only the head of the queue
+//! arms a timer to the earliest lease deadline, so an expiry (which nobody announces) costs one
+//! attempt per process, not one per waiter.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+#[derive(Debug, Default)]
+pub(crate) struct WaitQueue {
+    queue: Mutex<VecDeque<Arc<Waiter>>>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Waiter {
+    notify: Notify,
+    /// Set by a wake-up that asks this waiter to attempt; cleared when it takes it.
+    attempt: AtomicBool,
+    /// True while the waiter is attempting, so further wake-ups go to the next waiter.
+    busy: AtomicBool,
+}
+
+/// A place in the queue; leaving it (drop) hands any pending wake-up to the next waiter.
+pub(crate) struct Place<'a> {
+    queue: &'a WaitQueue,
+    waiter: Arc<Waiter>,
+}
+
+impl WaitQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<Waiter>>> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// True when nobody waits, so a newcomer may try without jumping the queue.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// Joins the back of the queue.
+    pub(crate) fn join(&self) -> Place<'_> {
+        let waiter = Arc::new(Waiter::default());
+        self.lock().push_back(waiter.clone());
+        Place {
+            queue: self,
+            waiter,
+        }
+    }
+
+    /// A slot may have freed: the earliest waiter not already attempting should try. If all are
+    /// attempting, the head gets the wake-up for its next round so none is lost.
+    pub(crate) fn wake_one(&self) {
+        let queue = self.lock();
+        let chosen = queue
+            .iter()
+            .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire))
+            .or_else(|| queue.front());
+        if let Some(w) = chosen {
+            w.attempt.store(true, Ordering::Release);
+            w.notify.notify_one();
+        }
+    }
+
+    /// Something may have been missed (lagging events, a resubscription): everyone re-checks.
+    pub(crate) fn wake_all(&self) {
+        for w in self.lock().iter() {
+            w.attempt.store(true, Ordering::Release);
+            w.notify.notify_one();
+        }
+    }
+
+    fn promote_head(&self) {
+        if let Some(head) = self.lock().front() {
+            // The new head must arm the expiry timer: wake it without asking for an attempt.
+            head.notify.notify_one();
+        }
+    }
+}
+
+impl Place<'_> {
+    /// True when this waiter is the oldest in the queue.
+    pub(crate) fn is_head(&self) -> bool {
+        self.queue
+            .lock()
+            .front()
+            .is_some_and(|w| Arc::ptr_eq(w, &self.waiter))
+    }
+
+    /// Waits for a wake-up. Returns true if it asked for an attempt (the waiter is then busy),
+    /// false for a mere re-check.
+    pub(crate) async fn woken(&self) -> bool {
+        self.waiter.notify.notified().await;
+        let attempt = self.waiter.attempt.swap(false, Ordering::AcqRel);
+        if attempt {
+            self.waiter.busy.store(true, Ordering::Release);
+        }
+        attempt
+    }
+
+    /// Marks the waiter busy for an attempt it makes on its own (timer or poll).
+    pub(crate) fn attempting(&self) {
+        self.waiter.busy.store(true, Ordering::Release);
+        self.waiter.attempt.store(false, Ordering::Release);
+    }
+
+    /// The attempt found no slot: the waiter waits again and may take wake-ups.
+    pub(crate) fn idle(&self) {
+        self.waiter.busy.store(false, Ordering::Release);
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        let was_head;
+        {
+            let mut queue = self.queue.lock();
+            was_head = queue.front().is_some_and(|w| Arc::ptr_eq(w, &self.waiter));
+            queue.retain(|w| !Arc::ptr_eq(w, &self.waiter));
+        }
+        if self.waiter.attempt.load(Ordering::Acquire) {
+            // We leave with a wake-up we did not use: pass it on.
+            self.queue.wake_one();
+        } else if was_head {
+            self.queue.promote_head();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn wake_one_goes_to_the_oldest_idle_waiter() {
+        let q = WaitQueue::default();
+        let a = q.join();
+        let b = q.join();
+        assert!(a.is_head() && !b.is_head());
+        q.wake_one();
+        assert!(a.woken().await, "the oldest waiter is asked to attempt");
+        // `a` is busy attempting: the next wake-up goes to the next idle waiter.
+        q.wake_one();
+        assert!(
+            b.woken().await,
+            "a second wake-up goes to the next idle waiter"
+        );
+        drop(a);
+        assert!(b.is_head());
+    }
+
+    #[tokio::test]
+    async fn wake_ups_while_all_are_busy_are_kept_by_the_head() {
+        let q = WaitQueue::default();
+        let a = q.join();
+        q.wake_one();
+        assert!(a.woken().await);
+        q.wake_one(); // arrives while `a` attempts
+        a.idle();
+        assert!(
+            a.woken().await,
+            "the head retries instead of losing the wake-up"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unused_wake_up_is_passed_on() {
+        let q = WaitQueue::default();
+        let a = q.join();
+        let b = q.join();
+        q.wake_one();
+        drop(a); // leaves (timeout) holding an unused wake-up
+        assert!(b.woken().await);
+    }
+}
