@@ -59,6 +59,16 @@ impl MemoryBackend {
         }
     }
 
+    /// Forgets every lease and fencing counter, as a Redis restart without persistence does. For
+    /// fault-injection tests and demonstrations.
+    pub fn wipe(&self) {
+        let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+        for state in quotas.values_mut() {
+            state.leases.clear();
+            state.fence = 0;
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.epoch_ms + self.started.elapsed().as_millis() as u64
     }

@@ -1,0 +1,124 @@
+//! Fixtures shared by the integration tests: one quota backend per test, either in memory or on
+//! a private redis-server that the test owns.
+
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold::{Backend, MemoryBackend, Quota, QuotaBuilder, QuotaKeys, RedisBackend};
+use leasehold_testkit::RedisServer;
+
+/// A backend for one test, and the server behind it if any.
+pub struct Fixture {
+    pub backend: Arc<dyn Backend>,
+    pub memory: Option<Arc<MemoryBackend>>,
+    pub server: Option<RedisServer>,
+    pub name: String,
+}
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+impl Fixture {
+    pub async fn memory() -> Fixture {
+        let memory = Arc::new(MemoryBackend::new());
+        Fixture {
+            backend: memory.clone(),
+            memory: Some(memory),
+            server: None,
+            name: unique("mem"),
+        }
+    }
+
+    pub async fn redis() -> Fixture {
+        let server = RedisServer::start();
+        let backend = RedisBackend::connect(&server.url())
+            .await
+            .expect("connect to the test redis-server");
+        Fixture {
+            backend: Arc::new(backend),
+            memory: None,
+            server: Some(server),
+            name: unique("redis"),
+        }
+    }
+
+    /// A second, independent client of the same store: another "process" as far as
+    /// subscriptions and connections go (the memory backend is shared in-process).
+    pub async fn second_client(&self) -> Arc<dyn Backend> {
+        match &self.server {
+            Some(server) => Arc::new(RedisBackend::connect(&server.url()).await.unwrap()),
+            None => self.backend.clone(),
+        }
+    }
+
+    pub fn keys(&self) -> QuotaKeys {
+        QuotaKeys::new(&self.name).unwrap()
+    }
+
+    pub fn builder(&self, limit: u64, ttl: Duration) -> QuotaBuilder {
+        Quota::builder(self.name.clone())
+            .limit(limit)
+            .ttl(ttl)
+            .shared_backend(self.backend.clone())
+    }
+
+    pub fn quota(&self, limit: u64, ttl: Duration) -> Quota {
+        self.builder(limit, ttl).build().unwrap()
+    }
+
+    /// Removes every lease without announcing it, as a restart without persistence does.
+    pub fn wipe(&self) {
+        match (&self.memory, &self.server) {
+            (Some(memory), _) => memory.wipe(),
+            (_, Some(server)) => {
+                server.command(&["FLUSHALL"]);
+            }
+            _ => unreachable!("a fixture has a memory backend or a server"),
+        }
+    }
+}
+
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Polls `check` every 10 ms until it is true or `within` passes; returns whether it became true.
+pub async fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    check()
+}
+
+/// Declares each scenario once per backend: `mod memory_backend` and `mod redis_backend`.
+#[macro_export]
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod memory_backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::common::Fixture::memory().await).await
+                }
+            )*
+        }
+        mod redis_backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::common::Fixture::redis().await).await
+                }
+            )*
+        }
+    };
+}

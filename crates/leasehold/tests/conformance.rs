@@ -1,0 +1,356 @@
+//! One suite, run against both backends: the in-memory one and a private redis-server.
+//!
+//! Each scenario is written once; `conformance!` instantiates it for each backend.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::Fixture;
+use leasehold::backend::{AcquireReply, RenewOutcome};
+use leasehold::{Error, LostReason, Misconfiguration};
+
+const TTL: Duration = Duration::from_millis(600);
+
+conformance!(
+    admits_up_to_the_limit_then_full,
+    double_release_frees_one_slot_only,
+    crashed_holder_is_reclaimed_one_ttl_after_its_last_renewal,
+    expired_lease_is_never_resurrected_by_a_renewal,
+    holder_learns_at_once_when_released_elsewhere,
+    holder_learns_from_renewal_when_its_lease_vanished,
+    acquire_is_idempotent_under_retry_even_at_full_capacity,
+    stale_token_cannot_renew_or_release_the_successor,
+    waiter_is_woken_by_a_release_not_by_polling,
+    waiter_is_admitted_after_an_expiry_by_its_timer,
+    waiters_are_served_in_arrival_order,
+    no_waiter_starves_under_contention,
+    acquire_timeout_gives_up_and_leaves_no_slot,
+    renewal_keeps_a_lease_past_its_ttl,
+    dropped_lease_is_released,
+    invalid_input_is_rejected,
+    status_lists_holders_with_tokens,
+);
+
+async fn admits_up_to_the_limit_then_full(fx: Fixture) {
+    let quota = fx.quota(3, TTL);
+    let mut leases = Vec::new();
+    for i in 0..3 {
+        leases.push(quota.try_acquire(&format!("t{i}")).await.unwrap());
+    }
+    let err = quota.try_acquire("t3").await.unwrap_err();
+    assert!(matches!(err, Error::Full { limit: 3, .. }), "{err:?}");
+    let tokens: Vec<u64> = leases.iter().map(|l| l.fencing_token()).collect();
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "tokens increase: {tokens:?}");
+}
+
+async fn double_release_frees_one_slot_only(fx: Fixture) {
+    let quota = fx.quota(3, TTL);
+    let a = quota.try_acquire("a").await.unwrap();
+    let _b = quota.try_acquire("b").await.unwrap();
+    let _c = quota.try_acquire("c").await.unwrap();
+    a.release().await.unwrap();
+    a.release().await.unwrap(); // error handler + finally
+    let again = fx
+        .backend
+        .release(&fx.keys(), "a", Some(a.fencing_token()))
+        .await
+        .unwrap();
+    assert!(!again, "a third, late release removes nothing");
+    let holders: Vec<String> = quota
+        .status()
+        .await
+        .unwrap()
+        .holders
+        .into_iter()
+        .map(|h| h.task_id)
+        .collect();
+    assert_eq!(holders.len(), 2);
+    assert!(holders.contains(&"b".into()) && holders.contains(&"c".into()));
+    let _d = quota.try_acquire("d").await.unwrap();
+    assert!(
+        matches!(quota.try_acquire("e").await, Err(Error::Full { .. })),
+        "the double release freed one slot, not two"
+    );
+}
+
+async fn crashed_holder_is_reclaimed_one_ttl_after_its_last_renewal(fx: Fixture) {
+    // A holder that admits and then dies: no renewal, no release. Nothing else cleans up.
+    let crashed_at = Instant::now();
+    let reply = fx.backend.acquire(&fx.keys(), "ghost", TTL, 1).await.unwrap();
+    assert!(matches!(reply, AcquireReply::Acquired(_)));
+    let quota = fx.builder(1, TTL).poll_interval(Duration::from_secs(30)).build().unwrap();
+    assert!(matches!(quota.try_acquire("next").await, Err(Error::Full { .. })));
+    let lease = quota.acquire("next").await.unwrap();
+    let reclaimed_after = crashed_at.elapsed();
+    println!("slot of a crashed holder reclaimed after {reclaimed_after:?} (ttl {TTL:?})");
+    assert!(reclaimed_after >= TTL - Duration::from_millis(20), "{reclaimed_after:?}");
+    assert!(reclaimed_after < TTL + Duration::from_millis(500), "{reclaimed_after:?}");
+    assert!(lease.is_held());
+}
+
+async fn expired_lease_is_never_resurrected_by_a_renewal(fx: Fixture) {
+    let keys = fx.keys();
+    let short = Duration::from_millis(200);
+    let AcquireReply::Acquired(old) = fx.backend.acquire(&keys, "old", short, 1).await.unwrap() else {
+        panic!("first acquire admits");
+    };
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let quota = fx.quota(1, TTL);
+    let newer = quota.try_acquire("new").await.unwrap();
+    let late = fx
+        .backend
+        .renew(&keys, TTL, &[("old".into(), old.token)])
+        .await
+        .unwrap();
+    assert_eq!(late, vec![RenewOutcome::Gone]);
+    let status = quota.status().await.unwrap();
+    assert_eq!(status.holders.len(), 1, "the late heartbeat did not over-admit");
+    assert_eq!(status.holders[0].task_id, newer.task_id());
+}
+
+async fn holder_learns_at_once_when_released_elsewhere(fx: Fixture) {
+    let quota = fx.builder(1, TTL).heartbeat(Duration::from_millis(190)).build().unwrap();
+    let lease = quota.try_acquire("victim").await.unwrap();
+    let operator = fx.builder(1, TTL).shared_backend(fx.second_client().await).build().unwrap();
+    let started = Instant::now();
+    assert!(operator.force_release("victim").await.unwrap());
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await.unwrap();
+    println!("forced release observed by the holder after {:?}", started.elapsed());
+    assert!(
+        matches!(reason, LostReason::ReleasedElsewhere | LostReason::Expired),
+        "{reason:?}"
+    );
+    let successor = operator.try_acquire("successor").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await; // two heartbeats of the old holder
+    let status = operator.status().await.unwrap();
+    assert_eq!(status.holders.len(), 1);
+    assert_eq!(status.holders[0].task_id, successor.task_id());
+}
+
+async fn holder_learns_from_renewal_when_its_lease_vanished(fx: Fixture) {
+    let heartbeat = Duration::from_millis(150);
+    let quota = fx.builder(2, TTL).heartbeat(heartbeat).build().unwrap();
+    let lease = quota.try_acquire("h").await.unwrap();
+    fx.wipe(); // no event is published: only the renewal can tell
+    let started = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await.unwrap();
+    println!("vanished lease noticed after {:?}", started.elapsed());
+    assert_eq!(reason, LostReason::Expired);
+    assert!(started.elapsed() < TTL, "noticed by a renewal, before the local deadline");
+    assert!(lease.ensure_held().is_err());
+}
+
+async fn acquire_is_idempotent_under_retry_even_at_full_capacity(fx: Fixture) {
+    let quota = fx.quota(2, TTL);
+    let first = quota.try_acquire("a").await.unwrap();
+    let retry = quota.try_acquire("a").await.unwrap();
+    assert_eq!(first.fencing_token(), retry.fencing_token());
+    assert_eq!(quota.status().await.unwrap().holders.len(), 1, "one slot, not two");
+    let _b = quota.try_acquire("b").await.unwrap();
+    let at_full = quota.try_acquire("a").await.unwrap();
+    assert_eq!(at_full.fencing_token(), first.fencing_token(), "held, never Full");
+    let waited = quota.acquire("a").await.unwrap();
+    assert_eq!(waited.fencing_token(), first.fencing_token());
+    // A retry whose first reply was lost comes back through the raw protocol as `held`.
+    let raw = fx.backend.acquire(&fx.keys(), "a", TTL, 2).await.unwrap();
+    assert!(matches!(raw, AcquireReply::Held(r) if r.token == first.fencing_token()));
+    // Handles share one lease: it stays held until the last one is dropped or released.
+    drop(retry);
+    drop(at_full);
+    drop(waited);
+    assert!(first.is_held());
+    assert_eq!(quota.status().await.unwrap().holders.len(), 2);
+}
+
+async fn stale_token_cannot_renew_or_release_the_successor(fx: Fixture) {
+    let keys = fx.keys();
+    let AcquireReply::Acquired(first) = fx.backend.acquire(&keys, "a", TTL, 1).await.unwrap() else {
+        panic!("admits");
+    };
+    assert!(fx.backend.release(&keys, "a", None).await.unwrap());
+    let AcquireReply::Acquired(second) = fx.backend.acquire(&keys, "a", TTL, 1).await.unwrap() else {
+        panic!("admits again");
+    };
+    assert!(second.token > first.token);
+    let renewed = fx
+        .backend
+        .renew(&keys, TTL, &[("a".into(), first.token)])
+        .await
+        .unwrap();
+    assert_eq!(renewed, vec![RenewOutcome::Superseded]);
+    assert!(!fx.backend.release(&keys, "a", Some(first.token)).await.unwrap());
+    let snapshot = fx.backend.snapshot(&keys).await.unwrap();
+    assert_eq!(snapshot.holders.len(), 1);
+    assert_eq!(snapshot.holders[0].token, second.token);
+}
+
+async fn waiter_is_woken_by_a_release_not_by_polling(fx: Fixture) {
+    // Polls every 10 s at best: only the release event can admit the waiter quickly.
+    let quota = fx.builder(1, TTL).poll_interval(Duration::from_secs(20)).build().unwrap();
+    let holder = quota.try_acquire("holder").await.unwrap();
+    let waiter_quota = fx
+        .builder(1, TTL)
+        .poll_interval(Duration::from_secs(20))
+        .shared_backend(fx.second_client().await)
+        .build()
+        .unwrap();
+    let waiter = tokio::spawn(async move {
+        let lease = waiter_quota.acquire("waiter").await.unwrap();
+        (Instant::now(), lease)
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let (admitted, _lease) = tokio::time::timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap();
+    let latency = admitted - released;
+    println!("release-to-admission latency: {latency:?}");
+    assert!(latency < Duration::from_secs(2), "woken by the event, not a poll: {latency:?}");
+}
+
+async fn waiter_is_admitted_after_an_expiry_by_its_timer(fx: Fixture) {
+    let ghost_ttl = Duration::from_millis(400);
+    let crashed = Instant::now();
+    fx.backend.acquire(&fx.keys(), "ghost", ghost_ttl, 1).await.unwrap();
+    let quota = fx.builder(1, TTL).poll_interval(Duration::from_secs(20)).build().unwrap();
+    let lease = tokio::time::timeout(Duration::from_secs(5), quota.acquire("next"))
+        .await
+        .expect("admitted by the expiry timer, long before any poll")
+        .unwrap();
+    let after = crashed.elapsed();
+    println!("admitted {after:?} after a holder crashed (its ttl {ghost_ttl:?})");
+    assert!(after >= ghost_ttl - Duration::from_millis(20));
+    assert!(lease.is_held());
+}
+
+async fn waiters_are_served_in_arrival_order(fx: Fixture) {
+    let quota = fx.builder(1, TTL).poll_interval(Duration::from_secs(20)).build().unwrap();
+    let mut current = quota.try_acquire("first").await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..5 {
+        let quota = quota.clone();
+        let order = order.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let lease = quota.acquire(&format!("w{i}")).await.unwrap();
+            order.lock().unwrap().push(i);
+            tx.send(lease).unwrap();
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await; // a clear arrival order
+    }
+    for _ in 0..5 {
+        current.release().await.unwrap();
+        current = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+}
+
+async fn no_waiter_starves_under_contention(fx: Fixture) {
+    let quota = fx.builder(2, TTL).poll_interval(Duration::from_millis(100)).build().unwrap();
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for t in 0..16 {
+        let quota = quota.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut worst = Duration::ZERO;
+            for i in 0..8 {
+                let asked = Instant::now();
+                let lease = quota.acquire(&format!("t{t}-{i}")).await.unwrap();
+                worst = worst.max(asked.elapsed());
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                lease.release().await.unwrap();
+            }
+            worst
+        }));
+    }
+    let mut worst = Duration::ZERO;
+    for task in tasks {
+        worst = worst.max(tokio::time::timeout(Duration::from_secs(30), task).await.unwrap().unwrap());
+    }
+    println!("16 tasks x 8 cycles on limit 2 took {:?}; worst wait {worst:?}", started.elapsed());
+    // Fair service: no one waits much longer than the others' whole share of the work.
+    assert!(worst < Duration::from_secs(5), "worst wait {worst:?}");
+}
+
+async fn acquire_timeout_gives_up_and_leaves_no_slot(fx: Fixture) {
+    let quota = fx.quota(1, TTL);
+    let _holder = quota.try_acquire("holder").await.unwrap();
+    let err = quota
+        .acquire_timeout("late", Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::TimedOut { .. }), "{err:?}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let status = quota.status().await.unwrap();
+    assert_eq!(status.holders.len(), 1);
+    assert_eq!(status.holders[0].task_id, "holder");
+}
+
+async fn renewal_keeps_a_lease_past_its_ttl(fx: Fixture) {
+    let quota = fx.builder(1, TTL).heartbeat(Duration::from_millis(150)).build().unwrap();
+    let lease = quota.try_acquire("long").await.unwrap();
+    let first_deadline = lease.deadline();
+    tokio::time::sleep(TTL * 3).await;
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    assert!(lease.deadline() > first_deadline);
+    let status = quota.status().await.unwrap();
+    assert_eq!(status.holders.len(), 1);
+    assert!(matches!(quota.try_acquire("other").await, Err(Error::Full { .. })));
+}
+
+async fn dropped_lease_is_released(fx: Fixture) {
+    let quota = fx.quota(1, TTL);
+    let lease = quota.try_acquire("dropped").await.unwrap();
+    drop(lease);
+    let mut free = false;
+    for _ in 0..50 {
+        if quota.status().await.unwrap().holders.is_empty() {
+            free = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(free, "released in the background well before the ttl");
+    quota.try_acquire("next").await.unwrap();
+}
+
+async fn invalid_input_is_rejected(fx: Fixture) {
+    let quota = fx.quota(1, TTL);
+    for id in ["", "tab\tinside"] {
+        let err = quota.try_acquire(id).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Misconfigured(Misconfiguration::InvalidTaskId(_))),
+            "{err:?}"
+        );
+    }
+    let huge = "x".repeat(1 << 20);
+    assert!(matches!(
+        quota.acquire(&huge).await,
+        Err(Error::Misconfigured(Misconfiguration::InvalidTaskId(_)))
+    ));
+    assert!(quota.status().await.unwrap().holders.is_empty());
+}
+
+async fn status_lists_holders_with_tokens(fx: Fixture) {
+    let quota = fx.quota(5, TTL);
+    let a = quota.try_acquire("a").await.unwrap();
+    let b = quota.try_acquire("b").await.unwrap();
+    let status = quota.status().await.unwrap();
+    assert_eq!(status.limit, 5);
+    assert_eq!(status.free(), 3);
+    let mut seen: Vec<(String, u64)> = status
+        .holders
+        .iter()
+        .map(|h| (h.task_id.clone(), h.fencing_token))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![("a".into(), a.fencing_token()), ("b".into(), b.fencing_token())]
+    );
+    for h in &status.holders {
+        assert!(h.acquired_at <= status.now && status.now < h.deadline);
+    }
+}
