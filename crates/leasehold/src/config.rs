@@ -111,10 +111,7 @@ impl QuotaBuilder {
     /// Checks the settings and returns the quota. Makes no backend call.
     pub fn build(self) -> Result<Quota> {
         let keys = QuotaKeys::new(&self.name)?;
-        let limit = validate_limit(
-            self.limit
-                .ok_or_else(|| Misconfiguration::InvalidLimit(0))?,
-        )?;
+        let limit = validate_limit(self.limit.ok_or(Misconfiguration::InvalidLimit(0))?)?;
         let timing = |why: String| Misconfiguration::InvalidTiming(why);
         if self.ttl < MIN_TTL || self.ttl > MAX_TTL {
             return Err(timing(format!(

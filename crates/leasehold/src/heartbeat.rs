@@ -9,7 +9,7 @@ use std::time::Instant;
 use tokio::time::sleep_until;
 
 use crate::backend::RenewOutcome;
-use crate::error::LostReason;
+use crate::error::{Error, LostReason};
 use crate::lease::LeaseInner;
 use crate::quota::Shared;
 use crate::runtime;
@@ -65,11 +65,18 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
         let pairs: Vec<(String, u64)> =
             batch.iter().map(|l| (l.task_id.clone(), l.token)).collect();
         let sent = Instant::now();
-        match shared
+        // Bounded by the interval too: a hung call must not delay the next heartbeat's retry.
+        let call = shared
             .backend
-            .renew(&shared.keys, shared.config.ttl, &pairs)
-            .await
-        {
+            .renew(&shared.keys, shared.config.ttl, &pairs);
+        let reply = match tokio::time::timeout(shared.config.heartbeat, call).await {
+            Ok(reply) => reply,
+            Err(_) => Err(Error::BackendUnavailable(format!(
+                "no renewal reply within the heartbeat interval {:?}",
+                shared.config.heartbeat
+            ))),
+        };
+        match reply {
             Ok(outcomes) => {
                 for (lease, outcome) in batch.iter().zip(outcomes) {
                     match outcome {

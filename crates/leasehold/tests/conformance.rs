@@ -42,7 +42,10 @@ async fn admits_up_to_the_limit_then_full(fx: Fixture) {
     let err = quota.try_acquire("t3").await.unwrap_err();
     assert!(matches!(err, Error::Full { limit: 3, .. }), "{err:?}");
     let tokens: Vec<u64> = leases.iter().map(|l| l.fencing_token()).collect();
-    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "tokens increase: {tokens:?}");
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens increase: {tokens:?}"
+    );
 }
 
 async fn double_release_frees_one_slot_only(fx: Fixture) {
@@ -78,22 +81,40 @@ async fn double_release_frees_one_slot_only(fx: Fixture) {
 async fn crashed_holder_is_reclaimed_one_ttl_after_its_last_renewal(fx: Fixture) {
     // A holder that admits and then dies: no renewal, no release. Nothing else cleans up.
     let crashed_at = Instant::now();
-    let reply = fx.backend.acquire(&fx.keys(), "ghost", TTL, 1).await.unwrap();
+    let reply = fx
+        .backend
+        .acquire(&fx.keys(), "ghost", TTL, 1)
+        .await
+        .unwrap();
     assert!(matches!(reply, AcquireReply::Acquired(_)));
-    let quota = fx.builder(1, TTL).poll_interval(Duration::from_secs(30)).build().unwrap();
-    assert!(matches!(quota.try_acquire("next").await, Err(Error::Full { .. })));
+    let quota = fx
+        .builder(1, TTL)
+        .poll_interval(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    assert!(matches!(
+        quota.try_acquire("next").await,
+        Err(Error::Full { .. })
+    ));
     let lease = quota.acquire("next").await.unwrap();
     let reclaimed_after = crashed_at.elapsed();
     println!("slot of a crashed holder reclaimed after {reclaimed_after:?} (ttl {TTL:?})");
-    assert!(reclaimed_after >= TTL - Duration::from_millis(20), "{reclaimed_after:?}");
-    assert!(reclaimed_after < TTL + Duration::from_millis(500), "{reclaimed_after:?}");
+    assert!(
+        reclaimed_after >= TTL - Duration::from_millis(20),
+        "{reclaimed_after:?}"
+    );
+    assert!(
+        reclaimed_after < TTL + Duration::from_millis(500),
+        "{reclaimed_after:?}"
+    );
     assert!(lease.is_held());
 }
 
 async fn expired_lease_is_never_resurrected_by_a_renewal(fx: Fixture) {
     let keys = fx.keys();
     let short = Duration::from_millis(200);
-    let AcquireReply::Acquired(old) = fx.backend.acquire(&keys, "old", short, 1).await.unwrap() else {
+    let AcquireReply::Acquired(old) = fx.backend.acquire(&keys, "old", short, 1).await.unwrap()
+    else {
         panic!("first acquire admits");
     };
     tokio::time::sleep(short + Duration::from_millis(100)).await;
@@ -106,18 +127,35 @@ async fn expired_lease_is_never_resurrected_by_a_renewal(fx: Fixture) {
         .unwrap();
     assert_eq!(late, vec![RenewOutcome::Gone]);
     let status = quota.status().await.unwrap();
-    assert_eq!(status.holders.len(), 1, "the late heartbeat did not over-admit");
+    assert_eq!(
+        status.holders.len(),
+        1,
+        "the late heartbeat did not over-admit"
+    );
     assert_eq!(status.holders[0].task_id, newer.task_id());
 }
 
 async fn holder_learns_at_once_when_released_elsewhere(fx: Fixture) {
-    let quota = fx.builder(1, TTL).heartbeat(Duration::from_millis(190)).build().unwrap();
+    let quota = fx
+        .builder(1, TTL)
+        .heartbeat(Duration::from_millis(190))
+        .build()
+        .unwrap();
     let lease = quota.try_acquire("victim").await.unwrap();
-    let operator = fx.builder(1, TTL).shared_backend(fx.second_client().await).build().unwrap();
+    let operator = fx
+        .builder(1, TTL)
+        .shared_backend(fx.second_client().await)
+        .build()
+        .unwrap();
     let started = Instant::now();
     assert!(operator.force_release("victim").await.unwrap());
-    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await.unwrap();
-    println!("forced release observed by the holder after {:?}", started.elapsed());
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
+        .await
+        .unwrap();
+    println!(
+        "forced release observed by the holder after {:?}",
+        started.elapsed()
+    );
     assert!(
         matches!(reason, LostReason::ReleasedElsewhere | LostReason::Expired),
         "{reason:?}"
@@ -135,10 +173,15 @@ async fn holder_learns_from_renewal_when_its_lease_vanished(fx: Fixture) {
     let lease = quota.try_acquire("h").await.unwrap();
     fx.wipe(); // no event is published: only the renewal can tell
     let started = Instant::now();
-    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await.unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
+        .await
+        .unwrap();
     println!("vanished lease noticed after {:?}", started.elapsed());
     assert_eq!(reason, LostReason::Expired);
-    assert!(started.elapsed() < TTL, "noticed by a renewal, before the local deadline");
+    assert!(
+        started.elapsed() < TTL,
+        "noticed by a renewal, before the local deadline"
+    );
     assert!(lease.ensure_held().is_err());
 }
 
@@ -147,10 +190,18 @@ async fn acquire_is_idempotent_under_retry_even_at_full_capacity(fx: Fixture) {
     let first = quota.try_acquire("a").await.unwrap();
     let retry = quota.try_acquire("a").await.unwrap();
     assert_eq!(first.fencing_token(), retry.fencing_token());
-    assert_eq!(quota.status().await.unwrap().holders.len(), 1, "one slot, not two");
+    assert_eq!(
+        quota.status().await.unwrap().holders.len(),
+        1,
+        "one slot, not two"
+    );
     let _b = quota.try_acquire("b").await.unwrap();
     let at_full = quota.try_acquire("a").await.unwrap();
-    assert_eq!(at_full.fencing_token(), first.fencing_token(), "held, never Full");
+    assert_eq!(
+        at_full.fencing_token(),
+        first.fencing_token(),
+        "held, never Full"
+    );
     let waited = quota.acquire("a").await.unwrap();
     assert_eq!(waited.fencing_token(), first.fencing_token());
     // A retry whose first reply was lost comes back through the raw protocol as `held`.
@@ -166,11 +217,13 @@ async fn acquire_is_idempotent_under_retry_even_at_full_capacity(fx: Fixture) {
 
 async fn stale_token_cannot_renew_or_release_the_successor(fx: Fixture) {
     let keys = fx.keys();
-    let AcquireReply::Acquired(first) = fx.backend.acquire(&keys, "a", TTL, 1).await.unwrap() else {
+    let AcquireReply::Acquired(first) = fx.backend.acquire(&keys, "a", TTL, 1).await.unwrap()
+    else {
         panic!("admits");
     };
     assert!(fx.backend.release(&keys, "a", None).await.unwrap());
-    let AcquireReply::Acquired(second) = fx.backend.acquire(&keys, "a", TTL, 1).await.unwrap() else {
+    let AcquireReply::Acquired(second) = fx.backend.acquire(&keys, "a", TTL, 1).await.unwrap()
+    else {
         panic!("admits again");
     };
     assert!(second.token > first.token);
@@ -180,7 +233,11 @@ async fn stale_token_cannot_renew_or_release_the_successor(fx: Fixture) {
         .await
         .unwrap();
     assert_eq!(renewed, vec![RenewOutcome::Superseded]);
-    assert!(!fx.backend.release(&keys, "a", Some(first.token)).await.unwrap());
+    assert!(!fx
+        .backend
+        .release(&keys, "a", Some(first.token))
+        .await
+        .unwrap());
     let snapshot = fx.backend.snapshot(&keys).await.unwrap();
     assert_eq!(snapshot.holders.len(), 1);
     assert_eq!(snapshot.holders[0].token, second.token);
@@ -188,7 +245,11 @@ async fn stale_token_cannot_renew_or_release_the_successor(fx: Fixture) {
 
 async fn waiter_is_woken_by_a_release_not_by_polling(fx: Fixture) {
     // Polls every 10 s at best: only the release event can admit the waiter quickly.
-    let quota = fx.builder(1, TTL).poll_interval(Duration::from_secs(20)).build().unwrap();
+    let quota = fx
+        .builder(1, TTL)
+        .poll_interval(Duration::from_secs(20))
+        .build()
+        .unwrap();
     let holder = quota.try_acquire("holder").await.unwrap();
     let waiter_quota = fx
         .builder(1, TTL)
@@ -203,17 +264,30 @@ async fn waiter_is_woken_by_a_release_not_by_polling(fx: Fixture) {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let released = Instant::now();
     holder.release().await.unwrap();
-    let (admitted, _lease) = tokio::time::timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap();
+    let (admitted, _lease) = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .unwrap()
+        .unwrap();
     let latency = admitted - released;
     println!("release-to-admission latency: {latency:?}");
-    assert!(latency < Duration::from_secs(2), "woken by the event, not a poll: {latency:?}");
+    assert!(
+        latency < Duration::from_secs(2),
+        "woken by the event, not a poll: {latency:?}"
+    );
 }
 
 async fn waiter_is_admitted_after_an_expiry_by_its_timer(fx: Fixture) {
     let ghost_ttl = Duration::from_millis(400);
     let crashed = Instant::now();
-    fx.backend.acquire(&fx.keys(), "ghost", ghost_ttl, 1).await.unwrap();
-    let quota = fx.builder(1, TTL).poll_interval(Duration::from_secs(20)).build().unwrap();
+    fx.backend
+        .acquire(&fx.keys(), "ghost", ghost_ttl, 1)
+        .await
+        .unwrap();
+    let quota = fx
+        .builder(1, TTL)
+        .poll_interval(Duration::from_secs(20))
+        .build()
+        .unwrap();
     let lease = tokio::time::timeout(Duration::from_secs(5), quota.acquire("next"))
         .await
         .expect("admitted by the expiry timer, long before any poll")
@@ -225,7 +299,11 @@ async fn waiter_is_admitted_after_an_expiry_by_its_timer(fx: Fixture) {
 }
 
 async fn waiters_are_served_in_arrival_order(fx: Fixture) {
-    let quota = fx.builder(1, TTL).poll_interval(Duration::from_secs(20)).build().unwrap();
+    let quota = fx
+        .builder(1, TTL)
+        .poll_interval(Duration::from_secs(20))
+        .build()
+        .unwrap();
     let mut current = quota.try_acquire("first").await.unwrap();
     let order = Arc::new(Mutex::new(Vec::new()));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -242,13 +320,20 @@ async fn waiters_are_served_in_arrival_order(fx: Fixture) {
     }
     for _ in 0..5 {
         current.release().await.unwrap();
-        current = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+        current = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
     }
     assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
 }
 
 async fn no_waiter_starves_under_contention(fx: Fixture) {
-    let quota = fx.builder(2, TTL).poll_interval(Duration::from_millis(100)).build().unwrap();
+    let quota = fx
+        .builder(2, TTL)
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
     let started = Instant::now();
     let mut tasks = Vec::new();
     for t in 0..16 {
@@ -267,9 +352,17 @@ async fn no_waiter_starves_under_contention(fx: Fixture) {
     }
     let mut worst = Duration::ZERO;
     for task in tasks {
-        worst = worst.max(tokio::time::timeout(Duration::from_secs(30), task).await.unwrap().unwrap());
+        worst = worst.max(
+            tokio::time::timeout(Duration::from_secs(30), task)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
     }
-    println!("16 tasks x 8 cycles on limit 2 took {:?}; worst wait {worst:?}", started.elapsed());
+    println!(
+        "16 tasks x 8 cycles on limit 2 took {:?}; worst wait {worst:?}",
+        started.elapsed()
+    );
     // Fair service: no one waits much longer than the others' whole share of the work.
     assert!(worst < Duration::from_secs(5), "worst wait {worst:?}");
 }
@@ -289,7 +382,11 @@ async fn acquire_timeout_gives_up_and_leaves_no_slot(fx: Fixture) {
 }
 
 async fn renewal_keeps_a_lease_past_its_ttl(fx: Fixture) {
-    let quota = fx.builder(1, TTL).heartbeat(Duration::from_millis(150)).build().unwrap();
+    let quota = fx
+        .builder(1, TTL)
+        .heartbeat(Duration::from_millis(150))
+        .build()
+        .unwrap();
     let lease = quota.try_acquire("long").await.unwrap();
     let first_deadline = lease.deadline();
     tokio::time::sleep(TTL * 3).await;
@@ -297,7 +394,10 @@ async fn renewal_keeps_a_lease_past_its_ttl(fx: Fixture) {
     assert!(lease.deadline() > first_deadline);
     let status = quota.status().await.unwrap();
     assert_eq!(status.holders.len(), 1);
-    assert!(matches!(quota.try_acquire("other").await, Err(Error::Full { .. })));
+    assert!(matches!(
+        quota.try_acquire("other").await,
+        Err(Error::Full { .. })
+    ));
 }
 
 async fn dropped_lease_is_released(fx: Fixture) {
@@ -321,7 +421,10 @@ async fn invalid_input_is_rejected(fx: Fixture) {
     for id in ["", "tab\tinside"] {
         let err = quota.try_acquire(id).await.unwrap_err();
         assert!(
-            matches!(err, Error::Misconfigured(Misconfiguration::InvalidTaskId(_))),
+            matches!(
+                err,
+                Error::Misconfigured(Misconfiguration::InvalidTaskId(_))
+            ),
             "{err:?}"
         );
     }
@@ -348,7 +451,10 @@ async fn status_lists_holders_with_tokens(fx: Fixture) {
     seen.sort();
     assert_eq!(
         seen,
-        vec![("a".into(), a.fencing_token()), ("b".into(), b.fencing_token())]
+        vec![
+            ("a".into(), a.fencing_token()),
+            ("b".into(), b.fencing_token())
+        ]
     );
     for h in &status.holders {
         assert!(h.acquired_at <= status.now && status.now < h.deadline);

@@ -21,24 +21,25 @@ if #expired > 0 then
 end
 
 local score = redis.call('ZSCORE', KEYS[1], id)
-if score then
+local meta = redis.call('HGET', KEYS[2], id)
+if score and meta then
   local deadline = math.max(tonumber(score), now + ttl)
   redis.call('ZADD', KEYS[1], 'XX', deadline, id)
-  local meta = redis.call('HGET', KEYS[2], id)
-  local token, acquired = 0, now
-  if meta then
-    local sep = string.find(meta, ':', 1, true)
-    token = tonumber(string.sub(meta, 1, sep - 1))
-    acquired = tonumber(string.sub(meta, sep + 1))
-  end
-  return {2, token, acquired, deadline, now}
+  local sep = string.find(meta, ':', 1, true)
+  return {2, tonumber(string.sub(meta, 1, sep - 1)), tonumber(string.sub(meta, sep + 1)), deadline, now}
+end
+-- Half a lease (written from outside): drop it so it neither holds a slot nor answers `held`.
+if score then
+  redis.call('ZREM', KEYS[1], id)
+elseif meta then
+  redis.call('HDEL', KEYS[2], id)
 end
 
 if redis.call('ZCARD', KEYS[1]) < limit then
   local token = redis.call('INCR', KEYS[3])
   local deadline = now + ttl
   redis.call('ZADD', KEYS[1], deadline, id)
-  redis.call('HSET', KEYS[2], id, token .. ':' .. now)
+  redis.call('HSET', KEYS[2], id, string.format('%d:%d', token, now))
   return {1, token, now, deadline, now}
 end
 

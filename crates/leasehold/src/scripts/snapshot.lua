@@ -1,3 +1,4 @@
+#!lua flags=no-writes
 -- leasehold protocol v1: snapshot (read only)
 -- KEYS[1] leases   KEYS[2] holders
 -- Reply: {now_ms, id_1, token_1, acquired_ms_1, deadline_ms_1, id_2, ...}, live leases only,

@@ -1,0 +1,271 @@
+//! Separate OS processes against one private redis-server: the fleet-wide limit holds, a killed
+//! holder's slot comes back one ttl later, and client clocks play no part.
+//!
+//! The worker is `examples/worker.rs`, which `cargo test` builds beside the test binaries.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use leasehold_testkit::RedisServer;
+
+fn worker_path() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let path = profile_dir.join("examples").join("worker");
+    if !path.exists() {
+        // `cargo test` builds examples, `cargo test --test processes` does not: build it now.
+        let mut build = Command::new(env!("CARGO"));
+        build.args(["build", "-p", "leasehold", "--example", "worker"]);
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build
+            .status()
+            .expect("run cargo to build the worker example");
+        assert!(
+            status.success() && path.exists(),
+            "cannot build {}",
+            path.display()
+        );
+    }
+    path
+}
+
+/// A running worker whose stdout lines arrive on a channel.
+struct Worker {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Worker {
+    fn spawn(prefix: &[&str], args: &[String]) -> Worker {
+        let mut cmd = if prefix.is_empty() {
+            Command::new(worker_path())
+        } else {
+            let mut c = Command::new(prefix[0]);
+            c.args(&prefix[1..]).arg(worker_path());
+            c
+        };
+        let mut child = cmd
+            .args(args)
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn worker");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Worker { child, lines }
+    }
+
+    fn next_line(&self, within: Duration) -> String {
+        self.lines
+            .recv_timeout(within)
+            .unwrap_or_else(|e| panic!("no line from worker within {within:?}: {e}"))
+    }
+
+    fn wait(mut self, within: Duration) -> Vec<String> {
+        let end = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "worker failed: {status}");
+                break;
+            }
+            if Instant::now() > end {
+                let _ = self.child.kill();
+                panic!("worker did not finish within {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.lines.try_iter().collect()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn args(parts: &[&dyn ToString]) -> Vec<String> {
+    parts.iter().map(|p| p.to_string()).collect()
+}
+
+/// The largest number of intervals open at one instant (an end at t closes before a start at t).
+fn max_overlap(intervals: &[(u128, u128)]) -> usize {
+    let mut edges: Vec<(u128, i32)> = Vec::new();
+    for &(start, end) in intervals {
+        edges.push((start, 1));
+        edges.push((end, -1));
+    }
+    edges.sort();
+    let (mut open, mut max) = (0i32, 0i32);
+    for (_, delta) in edges {
+        open += delta;
+        max = max.max(open);
+    }
+    max as usize
+}
+
+#[test]
+fn eight_processes_never_exceed_the_limit() {
+    let server = RedisServer::start();
+    let (processes, limit) = (8, 3);
+    let workers: Vec<Worker> = (0..processes)
+        .map(|_| {
+            Worker::spawn(
+                &[],
+                &args(&[
+                    &"hammer",
+                    &server.url(),
+                    &"fleet",
+                    &limit,
+                    &2000,
+                    &3000,
+                    &2000,
+                ]),
+            )
+        })
+        .collect();
+    let mut intervals = Vec::new();
+    let mut per_process = Vec::new();
+    for worker in workers {
+        let lines = worker.wait(Duration::from_secs(60));
+        per_process.push(lines.len());
+        for line in lines {
+            let mut parts = line
+                .split_whitespace()
+                .skip(1)
+                .map(|n| n.parse::<u128>().unwrap());
+            intervals.push((parts.next().unwrap(), parts.next().unwrap()));
+        }
+    }
+    let max = max_overlap(&intervals);
+    println!(
+        "{processes} processes, limit {limit}: {} holds ({per_process:?} per process), max overlap {max}",
+        intervals.len()
+    );
+    assert!(
+        max <= limit,
+        "the fleet held {max} slots at once, limit {limit}"
+    );
+    assert_eq!(max, limit, "the test applied real contention");
+    assert!(
+        per_process.iter().all(|&n| n > 0),
+        "every process got slots"
+    );
+}
+
+#[test]
+fn a_killed_holder_is_reclaimed_one_ttl_later_and_a_waiter_gets_the_slot() {
+    let server = RedisServer::start();
+    let ttl_ms = 1000;
+    let holder = Worker::spawn(
+        &[],
+        &args(&[
+            &"hold",
+            &server.url(),
+            &"kill",
+            &1,
+            &ttl_ms,
+            &"victim",
+            &60_000,
+        ]),
+    );
+    assert!(holder
+        .next_line(Duration::from_secs(10))
+        .starts_with("acquired"));
+    std::thread::sleep(Duration::from_millis(500)); // at least one renewal went through
+    let mut holder = holder;
+    holder.child.kill().unwrap(); // SIGKILL: no release, no more renewals
+    holder.child.wait().unwrap();
+    let killed = Instant::now();
+    let waiter = Worker::spawn(
+        &[],
+        &args(&[&"hold", &server.url(), &"kill", &1, &ttl_ms, &"next", &10]),
+    );
+    let line = waiter.next_line(Duration::from_secs(10));
+    let reuse = killed.elapsed();
+    println!("slot of a SIGKILLed holder reused after {reuse:?} (ttl {ttl_ms} ms)");
+    assert!(line.starts_with("acquired"), "{line}");
+    assert!(reuse <= Duration::from_millis(ttl_ms + 1000), "{reuse:?}");
+    assert_eq!(
+        waiter.wait(Duration::from_secs(10)),
+        vec!["held".to_string()]
+    );
+}
+
+#[test]
+fn client_clocks_an_hour_off_change_nothing() {
+    assert!(
+        Command::new("faketime").arg("--help").output().is_ok(),
+        "this test needs faketime (scripts/test installs it)"
+    );
+    let server = RedisServer::start();
+    let url = server.url();
+    let ahead = ["faketime", "-f", "+1h"];
+    let behind = ["faketime", "-f", "-1h"];
+    // A holder with a true clock; ttl 1.5 s, held for 4 s through renewals.
+    let holder = Worker::spawn(
+        &[],
+        &args(&[&"hold", &url, &"clock", &1, &1500, &"true", &4000]),
+    );
+    assert!(holder
+        .next_line(Duration::from_secs(10))
+        .starts_with("acquired"));
+    for skewed in [&ahead, &behind] {
+        let probe = Worker::spawn(
+            skewed,
+            &args(&[&"try", &url, &"clock", &1, &1500, &"skewed"]),
+        );
+        assert_eq!(
+            probe.wait(Duration::from_secs(10)),
+            vec!["full".to_string()],
+            "a client with a clock {} did not evict a live lease",
+            skewed[2]
+        );
+    }
+    assert_eq!(
+        holder.wait(Duration::from_secs(15)),
+        vec!["held".to_string()]
+    );
+
+    // A holder an hour ahead renews by the server's clock: its deadline is never an hour away.
+    let fast = Worker::spawn(
+        &ahead,
+        &args(&[&"hold", &url, &"clock", &1, &1500, &"fast", &2500]),
+    );
+    assert!(fast
+        .next_line(Duration::from_secs(10))
+        .starts_with("acquired"));
+    std::thread::sleep(Duration::from_millis(1800));
+    let time = server.command(&["TIME"]);
+    let now_ms = match &time {
+        leasehold_testkit::Reply::Array(parts) => {
+            parts[0].as_string().unwrap().parse::<u64>().unwrap() * 1000
+                + parts[1].as_string().unwrap().parse::<u64>().unwrap() / 1000
+        }
+        other => panic!("TIME replied {other:?}"),
+    };
+    let deadline: f64 = server
+        .command(&["ZSCORE", "leasehold:{clock}:leases", "fast"])
+        .as_string()
+        .expect("the fast-clock holder still holds after more than one ttl")
+        .parse()
+        .unwrap();
+    let ahead_ms = deadline as i64 - now_ms as i64;
+    println!("fast-clock holder's deadline is {ahead_ms} ms ahead of server time (ttl 1500)");
+    assert!((0..=1500).contains(&ahead_ms), "{ahead_ms}");
+    assert_eq!(fast.wait(Duration::from_secs(15)), vec!["held".to_string()]);
+}
