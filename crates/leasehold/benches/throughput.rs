@@ -139,7 +139,11 @@ fn info(server: &RedisServer, section: &str) -> HashMap<String, String> {
 
 fn probe(server: &RedisServer) -> Probe {
     let cpu = info(server, "cpu");
-    let num = |k: &str| cpu.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let num = |k: &str| {
+        cpu.get(k)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
     let redis_cpu = num("used_cpu_user") + num("used_cpu_sys");
     let commands = info(server, "commandstats")
         .into_iter()
@@ -475,9 +479,7 @@ fn contended(
     // The latest instant of `sorted` strictly before `t`, if it is after `after`.
     let latest_before = |sorted: &[Instant], t: Instant, after: Instant| {
         let idx = sorted.partition_point(|&r| r < t);
-        idx.checked_sub(1)
-            .map(|i| sorted[i])
-            .filter(|&r| r > after)
+        idx.checked_sub(1).map(|i| sorted[i]).filter(|&r| r > after)
     };
     let (mut wake, mut wake_from_release_call) = (histogram(), histogram());
     let mut waited_admissions = 0;
@@ -603,6 +605,7 @@ fn main() {
                 lh.errors, floor.errors
             );
         }
+        dump(&lh.usage); dump(&floor.usage);
         levels.push((tasks, lh, floor, ratio));
     }
 
@@ -724,16 +727,37 @@ fn main() {
     println!("|---|---:|");
     for (name, value) in [
         ("cycles/s", format!("{:.0}", c.per_sec)),
-        ("mean measured hold (ms)", format!("{:.3}", c.mean_hold.as_secs_f64() * 1e3)),
-        ("fraction of limit/nominal hold", format!("{frac_nominal:.3}")),
-        ("fraction of limit/measured hold", format!("{frac_measured:.3}")),
-        ("acquire wait p50 (ms)", format!("{:.3}", ms(c.wait.value_at_quantile(0.5)))),
+        (
+            "mean measured hold (ms)",
+            format!("{:.3}", c.mean_hold.as_secs_f64() * 1e3),
+        ),
+        (
+            "fraction of limit/nominal hold",
+            format!("{frac_nominal:.3}"),
+        ),
+        (
+            "fraction of limit/measured hold",
+            format!("{frac_measured:.3}"),
+        ),
+        (
+            "acquire wait p50 (ms)",
+            format!("{:.3}", ms(c.wait.value_at_quantile(0.5))),
+        ),
         ("acquire wait p99 (ms)", format!("{wait_p99:.3}")),
         ("acquire wait max (ms)", format!("{:.3}", ms(c.wait.max()))),
         ("wake-up p50 (ms)", format!("{wake_p50:.3}")),
-        ("wake-up p99 (ms)", format!("{:.3}", ms(c.wake.value_at_quantile(0.99)))),
-        ("script calls per admission", format!("{scripts_per_admission:.2}")),
-        ("acquire scripts per admission", format!("{acquire_per_admission:.2}")),
+        (
+            "wake-up p99 (ms)",
+            format!("{:.3}", ms(c.wake.value_at_quantile(0.99))),
+        ),
+        (
+            "script calls per admission",
+            format!("{scripts_per_admission:.2}"),
+        ),
+        (
+            "acquire scripts per admission",
+            format!("{acquire_per_admission:.2}"),
+        ),
     ] {
         println!("| {name} | {value} |");
     }
@@ -789,4 +813,10 @@ fn main() {
     println!();
     println!("BENCH_JSON {report}");
     println!("(total run time {:.1} s)", started.elapsed().as_secs_f64());
+}
+#[allow(dead_code)]
+fn dump(u: &Usage) {
+    let mut v: Vec<_> = u.commands.iter().collect();
+    v.sort();
+    eprintln!("{v:?}");
 }

@@ -39,19 +39,21 @@ async fn run(shared: Weak<Shared>, changed: Arc<tokio::sync::Notify>) {
             }
             if now >= next_beat {
                 next_beat = now + shared.config.heartbeat;
-                let live: Vec<_> = leases.into_iter().filter(|l| !l.is_lost()).collect();
+                let live: Vec<_> = leases.iter().filter(|l| !l.is_lost()).cloned().collect();
                 if !live.is_empty() && !in_flight.swap(true, Ordering::AcqRel) {
                     let flag = in_flight.clone();
+                    let shared = shared.clone();
                     runtime::spawn(async move {
                         renew(&shared, live).await;
                         flag.store(false, Ordering::Release);
                     });
                 }
-                next_beat
-            } else {
-                let earliest = leases.iter().map(|l| l.local_deadline()).min();
-                earliest.map_or(next_beat, |d| d.min(next_beat))
             }
+            leases
+                .iter()
+                .filter(|l| !l.is_lost())
+                .map(|l| l.local_deadline())
+                .fold(next_beat, Instant::min)
         };
         tokio::select! {
             _ = sleep_until(wake_at.into()) => {}

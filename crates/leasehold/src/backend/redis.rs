@@ -96,6 +96,14 @@ impl RedisBackend {
         let timeout = options.call_timeout;
         let connect_options = options.clone();
         runtime::run(async move {
+            // One plain connection first: the manager retries every failure, so a wrong password
+            // would only show as a timeout there.
+            tokio::time::timeout(timeout, client.get_multiplexed_async_connection())
+                .await
+                .map_err(|_| {
+                    Error::BackendUnavailable(format!("no connection within {timeout:?}"))
+                })?
+                .map_err(|e| map_error(e, ""))?;
             let (push_tx, push_rx) = mpsc::unbounded_channel();
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(connect_options.connect_timeout))

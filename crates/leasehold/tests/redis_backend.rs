@@ -1,0 +1,226 @@
+//! What only a real Redis can show: faults of the server and the link, credentials, foreign keys,
+//! and renewals that keep going while the application's own runtime is blocked.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use leasehold::{Error, LostReason, Misconfiguration, Quota, RedisBackend};
+use leasehold_testkit::{free_port, RedisServer};
+
+async fn quota_on(server: &RedisServer, name: &str, limit: u64, ttl: Duration) -> Quota {
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    Quota::builder(name)
+        .limit(limit)
+        .ttl(ttl)
+        .backend(backend)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_wrong_typed_key_is_misconfiguration_never_full() {
+    let server = RedisServer::start();
+    server.command(&["SET", "leasehold:{typed}:leases", "not a zset"]);
+    server.command(&["SET", "leasehold:{other}:leases", "untouched"]);
+    let quota = quota_on(&server, "typed", 5, Duration::from_secs(5)).await;
+    let err = quota.try_acquire("t").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Misconfigured(Misconfiguration::WrongType { .. })
+        ),
+        "{err:?}"
+    );
+    assert!(!err.is_transient());
+    assert_eq!(
+        server
+            .command(&["GET", "leasehold:{other}:leases"])
+            .as_string()
+            .as_deref(),
+        Some("untouched")
+    );
+}
+
+#[tokio::test]
+async fn credentials_are_checked_at_connect() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    server.command_auth(
+        "default",
+        "s3cret",
+        &[
+            "ACL",
+            "SETUSER",
+            "worker",
+            "on",
+            ">w0rker",
+            "~leasehold:*",
+            "&leasehold:*",
+            "+@all",
+        ],
+    );
+    let port = server.port();
+    for (url, ok) in [
+        (format!("redis://127.0.0.1:{port}/"), false),
+        (format!("redis://:wrong@127.0.0.1:{port}/"), false),
+        (format!("redis://:s3cret@127.0.0.1:{port}/"), true),
+        (format!("redis://worker:w0rker@127.0.0.1:{port}/"), true),
+        (format!("redis://worker:nope@127.0.0.1:{port}/"), false),
+    ] {
+        match RedisBackend::connect(&url).await {
+            Ok(backend) => {
+                assert!(ok, "{url} should be refused");
+                let quota = Quota::builder("auth")
+                    .limit(1)
+                    .backend(backend)
+                    .build()
+                    .unwrap();
+                quota
+                    .try_acquire("t")
+                    .await
+                    .unwrap()
+                    .release()
+                    .await
+                    .unwrap();
+            }
+            Err(err) => {
+                assert!(!ok, "{url}: {err}");
+                assert!(
+                    matches!(err, Error::Misconfigured(Misconfiguration::Auth(_))),
+                    "{url}: {err:?}"
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_malformed_url_is_misconfiguration() {
+    for url in [
+        "not a url",
+        "http://127.0.0.1:1/",
+        "redis://127.0.0.1:notaport/",
+    ] {
+        let err = RedisBackend::connect(url).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Misconfigured(Misconfiguration::InvalidUrl(_))),
+            "{url}: {err:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_server_fails_fast_as_unavailable() {
+    let started = Instant::now();
+    let err = RedisBackend::connect(&format!("redis://127.0.0.1:{}/", free_port()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    assert!(err.is_transient());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_paused_redis_makes_the_holder_stop_at_its_local_deadline() {
+    let mut server = RedisServer::start();
+    let ttl = Duration::from_millis(1000);
+    let quota = quota_on(&server, "paused", 1, ttl).await;
+    let lease = quota.try_acquire("holder").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let local_deadline = lease.local_deadline();
+    server.pause();
+    let paused = Instant::now();
+    let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .expect("the holder must give up on its own while Redis cannot answer");
+    let fired = Instant::now();
+    server.resume();
+    println!(
+        "lost {:?} after the pause began; local deadline was {:?} after it",
+        paused.elapsed(),
+        local_deadline.saturating_duration_since(paused)
+    );
+    assert_eq!(reason, LostReason::LocalDeadline);
+    // The last acknowledged renewal was sent before `paused`, so the server's deadline is at
+    // most `ttl` after the pause began: the holder stopped before Redis could re-grant the slot.
+    assert!(
+        fired < paused + ttl,
+        "stopped {:?} after the pause",
+        fired - paused
+    );
+    assert!(fired >= local_deadline);
+    // Redis is back: the slot is reclaimed by expiry, and the old lease is not renewed back.
+    let next = quota
+        .acquire_timeout("next", Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(next.is_held());
+    assert_eq!(quota.status().await.unwrap().holders.len(), 1);
+    server.kill();
+}
+
+#[tokio::test]
+async fn scripts_are_reloaded_after_flush_and_restart() {
+    let mut server = RedisServer::start();
+    let quota = quota_on(&server, "reload", 2, Duration::from_secs(5)).await;
+    quota
+        .try_acquire("a")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    server.command(&["SCRIPT", "FLUSH"]);
+    quota
+        .try_acquire("b")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    server.restart();
+    let end = Instant::now() + Duration::from_secs(10);
+    let lease = loop {
+        match quota.try_acquire("c").await {
+            Ok(lease) => break lease,
+            Err(Error::BackendUnavailable(e)) if Instant::now() < end => {
+                println!("while reconnecting: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    assert!(lease.is_held());
+}
+
+#[test]
+fn renewals_go_on_while_the_application_runtime_is_blocked() {
+    let server = RedisServer::start();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ttl = Duration::from_millis(600);
+    let (quota, lease) = runtime.block_on(async {
+        let quota = quota_on(&server, "starved", 1, ttl).await;
+        let lease = quota.try_acquire("busy").await.unwrap();
+        (quota, lease)
+    });
+    // The application blocks its only runtime thread for five ttls (a CPU-bound task, a
+    // blocking call): nothing of the application's runs, leasehold's renewals still must.
+    runtime.block_on(async { std::thread::sleep(ttl * 5) });
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    runtime.block_on(async {
+        let status = quota.status().await.unwrap();
+        assert_eq!(status.holders.len(), 1);
+        assert!(status.holders[0].deadline > status.now);
+        assert!(matches!(
+            quota.try_acquire("other").await,
+            Err(Error::Full { .. })
+        ));
+    });
+}
