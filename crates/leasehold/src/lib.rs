@@ -53,3 +53,8 @@ pub use error::{Error, LostReason, Misconfiguration, Result};
 pub use keys::{QuotaKeys, MAX_LIMIT, MAX_QUOTA_NAME_BYTES, MAX_TASK_ID_BYTES, PROTOCOL_VERSION};
 pub use lease::Lease;
 pub use quota::{Holder, Quota, Status};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
