@@ -547,6 +547,10 @@ fn main() {
         WARMUP.as_millis()
     );
 
+    if std::env::var("DIAG").is_ok() {
+        diag(&rt, &backend);
+        return;
+    }
     // 1 + 2: uncontended leasehold and the naive counter floor, interleaved per level.
     let mut levels = Vec::new();
     for &tasks in &LEVELS {
@@ -605,7 +609,8 @@ fn main() {
                 lh.errors, floor.errors
             );
         }
-        dump(&lh.usage); dump(&floor.usage);
+        dump(&lh.usage);
+        dump(&floor.usage);
         levels.push((tasks, lh, floor, ratio));
     }
 
@@ -819,4 +824,53 @@ fn dump(u: &Usage) {
     let mut v: Vec<_> = u.commands.iter().collect();
     v.sort();
     eprintln!("{v:?}");
+}
+#[allow(dead_code)]
+fn diag(rt: &tokio::runtime::Runtime, backend: &RedisBackend) {
+    let quota = Quota::builder("diag")
+        .limit(10000)
+        .ttl(TTL)
+        .backend(backend.clone())
+        .build()
+        .unwrap();
+    let backend = backend.clone();
+    rt.block_on(async move {
+        tokio::spawn(async move {
+            let (mut a, mut r, mut f, mut p) = (histogram(), histogram(), histogram(), histogram());
+            for i in 0..3000 {
+                let t0 = Instant::now();
+                let lease = quota.acquire(&format!("d{i}")).await.unwrap();
+                let t1 = Instant::now();
+                lease.release().await.unwrap();
+                let t2 = Instant::now();
+                backend
+                    .call::<i64>(redis::cmd("INCR").arg("x").clone())
+                    .await
+                    .unwrap();
+                let t3 = Instant::now();
+                let _ = quota.try_acquire(&format!("e{i}")).await.unwrap();
+                let t4 = Instant::now();
+                a.saturating_record(micros(t1 - t0));
+                r.saturating_record(micros(t2 - t1));
+                f.saturating_record(micros(t3 - t2));
+                p.saturating_record(micros(t4 - t3));
+            }
+            for (n, h) in [
+                ("acquire", a),
+                ("release", r),
+                ("incr", f),
+                ("try_acquire+drop", p),
+            ] {
+                eprintln!(
+                    "{n}: p10 {} p50 {} p90 {} p99 {}",
+                    h.value_at_quantile(0.1),
+                    h.value_at_quantile(0.5),
+                    h.value_at_quantile(0.9),
+                    h.value_at_quantile(0.99)
+                );
+            }
+        })
+        .await
+        .unwrap()
+    });
 }

@@ -70,6 +70,9 @@ pub enum Misconfiguration {
     /// The ACL user may not run a command leasehold needs (NOPERM).
     #[error("permission denied: {0}")]
     NoPermission(String),
+    /// The TLS handshake failed on the server's certificate (unknown issuer, wrong name).
+    #[error("TLS certificate rejected: {0}")]
+    Tls(String),
     /// The backend answered in a way this version of the protocol does not understand.
     #[error("unexpected reply from backend: {0}")]
     Protocol(String),

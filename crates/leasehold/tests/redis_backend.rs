@@ -224,3 +224,113 @@ fn renewals_go_on_while_the_application_runtime_is_blocked() {
         ));
     });
 }
+
+/// Makes a private CA and a server certificate for 127.0.0.1/localhost with openssl.
+fn test_certificates(dir: &std::path::Path) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl is needed for the TLS test");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=leasehold-test-ca",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+}
+
+#[tokio::test]
+async fn works_over_tls_with_a_private_ca_and_refuses_an_unknown_one() {
+    let dir = leasehold_testkit::temp_dir("leasehold-tls");
+    test_certificates(&dir);
+    let tls_port = free_port().to_string();
+    let path = |f: &str| dir.join(f).to_string_lossy().into_owned();
+    let server = RedisServer::start_with(&[
+        "--tls-port",
+        &tls_port,
+        "--tls-cert-file",
+        &path("server.crt"),
+        "--tls-key-file",
+        &path("server.key"),
+        "--tls-ca-cert-file",
+        &path("ca.crt"),
+        "--tls-auth-clients",
+        "no",
+    ]);
+    let url = format!("rediss://localhost:{tls_port}/");
+    let untrusted = RedisBackend::connect(&url).await.unwrap_err();
+    println!("without the CA: {untrusted}");
+    assert!(
+        matches!(untrusted, Error::Misconfigured(Misconfiguration::Tls(_))),
+        "{untrusted:?}"
+    );
+    let options = leasehold::RedisOptions {
+        tls_root_cert: Some(std::fs::read(dir.join("ca.crt")).unwrap()),
+        ..Default::default()
+    };
+    let backend = RedisBackend::connect_with(&url, options).await.unwrap();
+    let quota = Quota::builder("tls")
+        .limit(1)
+        .backend(backend)
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("secure").await.unwrap();
+    assert!(matches!(
+        quota.try_acquire("other").await,
+        Err(Error::Full { .. })
+    ));
+    lease.release().await.unwrap();
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

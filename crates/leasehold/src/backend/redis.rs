@@ -39,6 +39,9 @@ pub struct RedisOptions {
     pub call_timeout: Duration,
     /// Bound on one attempt to open a TCP/TLS connection. Default 1 s.
     pub connect_timeout: Duration,
+    /// For `rediss://` servers whose certificate is signed by a private CA: that CA, in PEM.
+    /// `None` trusts the system's root certificates.
+    pub tls_root_cert: Option<Vec<u8>>,
 }
 
 impl Default for RedisOptions {
@@ -46,6 +49,7 @@ impl Default for RedisOptions {
         RedisOptions {
             call_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(1),
+            tls_root_cert: None,
         }
     }
 }
@@ -91,8 +95,18 @@ impl RedisBackend {
             .redis_settings()
             .clone()
             .set_protocol(ProtocolVersion::RESP3);
-        let client = redis::Client::open(info.set_redis_settings(settings))
-            .map_err(|e| Misconfiguration::InvalidUrl(format!("{url:?}: {e}")))?;
+        let info = info.set_redis_settings(settings);
+        let client = match &options.tls_root_cert {
+            None => redis::Client::open(info),
+            Some(ca) => redis::Client::build_with_tls(
+                info,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.clone()),
+                },
+            ),
+        }
+        .map_err(|e| Misconfiguration::InvalidUrl(format!("{url:?}: {e}")))?;
         let timeout = options.call_timeout;
         let connect_options = options.clone();
         runtime::run(async move {
@@ -239,6 +253,9 @@ fn map_error(e: RedisError, quota: &str) -> Error {
         || e.kind() == ErrorKind::AuthenticationFailed
     {
         return Misconfiguration::Auth(text).into();
+    }
+    if text.contains("invalid peer certificate") || text.contains("certificate verify failed") {
+        return Misconfiguration::Tls(text).into();
     }
     match e.kind() {
         ErrorKind::InvalidClientConfig => Misconfiguration::InvalidUrl(text).into(),
