@@ -26,6 +26,8 @@ pub(crate) struct QuotaConfig {
     pub(crate) heartbeat: Duration,
     pub(crate) safety_margin: Duration,
     pub(crate) poll_interval: Duration,
+    pub(crate) cancel_marker_ttl: Duration,
+    pub(crate) events: bool,
 }
 
 impl QuotaConfig {
@@ -44,6 +46,8 @@ pub struct QuotaBuilder {
     heartbeat: Option<Duration>,
     safety_margin: Option<Duration>,
     poll_interval: Duration,
+    cancel_marker_ttl: Option<Duration>,
+    events: bool,
     backend: Option<Arc<dyn Backend>>,
 }
 
@@ -56,6 +60,8 @@ impl QuotaBuilder {
             heartbeat: None,
             safety_margin: None,
             poll_interval: Duration::from_millis(250),
+            cancel_marker_ttl: None,
+            events: true,
             backend: None,
         }
     }
@@ -92,6 +98,22 @@ impl QuotaBuilder {
     /// 250 ms.
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.poll_interval = every;
+        self
+    }
+
+    /// How long a cancel marker is kept: long enough to outlive a queued task's wait plus one
+    /// lease ttl, so a task cancelled while it waits is refused when its turn comes. A task id
+    /// cannot be admitted again while its marker lives. Default 1 hour + ttl.
+    pub fn cancel_marker_ttl(mut self, ttl: Duration) -> Self {
+        self.cancel_marker_ttl = Some(ttl);
+        self
+    }
+
+    /// Whether to subscribe to the quota's events (default true). Without them, waiters rely on
+    /// expiry timers and polls, and a holder learns of a cancel or a forced release at its next
+    /// renewal: for servers whose ACL denies `SUBSCRIBE`.
+    pub fn events(mut self, subscribe: bool) -> Self {
+        self.events = subscribe;
         self
     }
 
@@ -138,6 +160,11 @@ impl QuotaBuilder {
             ))
             .into());
         }
+        if self.cancel_marker_ttl.is_some_and(|t| t < self.ttl) {
+            return Err(
+                timing("the cancel marker ttl must be at least the lease ttl".into()).into(),
+            );
+        }
         if self.poll_interval < Duration::from_millis(1) {
             return Err(timing("poll interval must be at least 1 ms".into()).into());
         }
@@ -150,6 +177,10 @@ impl QuotaBuilder {
             heartbeat,
             safety_margin,
             poll_interval: self.poll_interval,
+            cancel_marker_ttl: self
+                .cancel_marker_ttl
+                .unwrap_or(Duration::from_secs(3600) + self.ttl),
+            events: self.events,
         };
         Ok(Quota::start(keys, config, backend))
     }

@@ -27,6 +27,13 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
                 }
                 shared.slot_freed();
             }
+            Ok(QuotaEvent::Cancelled { task_id, reason }) => {
+                if let Some(lease) = shared.lease(&task_id) {
+                    lease.mark_lost(LostReason::Cancelled(reason));
+                }
+                // A waiter for that task must learn it too: its next attempt says so.
+                shared.recheck_all();
+            }
             Ok(QuotaEvent::Resubscribed) | Err(RecvError::Lagged(_)) => shared.recheck_all(),
             Err(RecvError::Closed) => return,
         }

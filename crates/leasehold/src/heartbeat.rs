@@ -89,6 +89,9 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
                         RenewOutcome::Superseded => {
                             lease.mark_lost(LostReason::Superseded);
                         }
+                        RenewOutcome::Cancelled { reason } => {
+                            lease.mark_lost(LostReason::Cancelled(reason));
+                        }
                     }
                 }
             }

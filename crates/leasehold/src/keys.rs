@@ -26,8 +26,10 @@ pub struct QuotaKeys {
     pub holders: String,
     /// STRING counter: the last fencing token handed out.
     pub fence: String,
-    /// Pub/Sub channel for release events.
+    /// Pub/Sub channel for release and cancel events.
     pub events: String,
+    /// Prefix of the cancel markers: `<prefix><task id>` (STRING, the reason, with a TTL).
+    pub cancel_prefix: String,
 }
 
 impl QuotaKeys {
@@ -41,7 +43,13 @@ impl QuotaKeys {
             holders: format!("{base}:holders"),
             fence: format!("{base}:fence"),
             events: format!("{base}:events"),
+            cancel_prefix: format!("{base}:cancel:"),
         })
+    }
+
+    /// The cancel marker key of `task_id`.
+    pub fn cancel(&self, task_id: &str) -> String {
+        format!("{}{task_id}", self.cancel_prefix)
     }
 }
 
@@ -100,6 +108,7 @@ mod tests {
         assert_eq!(k.holders, "leasehold:{llm:gpt}:holders");
         assert_eq!(k.fence, "leasehold:{llm:gpt}:fence");
         assert_eq!(k.events, "leasehold:{llm:gpt}:events");
+        assert_eq!(k.cancel("t:1"), "leasehold:{llm:gpt}:cancel:t:1");
     }
 
     #[test]

@@ -214,6 +214,28 @@ impl Quota {
         self.shared.release_in_backend(task_id, None).await
     }
 
+    /// Cancels `task_id`, wherever it runs: writes the cancel marker (the truth, kept for the
+    /// quota's [cancel marker ttl](crate::QuotaBuilder::cancel_marker_ttl)), then announces it.
+    /// The holder's [`Lease::lost`] fires with
+    /// [`LostReason::Cancelled`](crate::LostReason::Cancelled) as soon as the message arrives, or
+    /// at its next renewal if the message was lost; an acquire of a cancelled id fails with
+    /// [`Error::Cancelled`]. What the holder does then is its own choice.
+    ///
+    /// Returns whether the task held a lease; cancelling a task that holds none is not an error
+    /// (it may be queued, or not started yet).
+    pub async fn cancel(&self, task_id: &str, reason: &str) -> Result<bool> {
+        validate_task_id(task_id)?;
+        self.shared
+            .backend
+            .cancel(
+                &self.shared.keys,
+                task_id,
+                reason,
+                self.shared.config.cancel_marker_ttl,
+            )
+            .await
+    }
+
     fn full(&self) -> Error {
         Error::Full {
             quota: self.name().to_owned(),
@@ -288,6 +310,7 @@ impl Quota {
                         earliest_deadline_ms.saturating_sub(now_ms) + 1,
                     ),
                 }),
+                Ok(AcquireReply::Cancelled { reason }) => Err(Error::Cancelled(reason)),
                 Err(e) => Err(e),
             };
             // If the caller gave up, the unsent lease drops here and releases itself.
@@ -303,7 +326,7 @@ impl Quota {
     /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
     /// and the next call tries again.
     async fn ensure_listening(&self) {
-        if self.shared.listening.load(Ordering::Acquire) {
+        if !self.shared.config.events || self.shared.listening.load(Ordering::Acquire) {
             return;
         }
         match self.shared.backend.subscribe(&self.shared.keys).await {

@@ -31,6 +31,10 @@ conformance!(
     dropped_lease_is_released,
     invalid_input_is_rejected,
     status_lists_holders_with_tokens,
+    cancel_reaches_the_holder_at_once,
+    cancel_reaches_the_holder_at_its_next_renewal_without_the_message,
+    cancel_before_acquire_makes_acquire_fail,
+    cancel_reaches_a_waiting_task,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -459,4 +463,109 @@ async fn status_lists_holders_with_tokens(fx: Fixture) {
     for h in &status.holders {
         assert!(h.acquired_at <= status.now && status.now < h.deadline);
     }
+}
+
+async fn cancel_reaches_the_holder_at_once(fx: Fixture) {
+    let quota = fx
+        .builder(1, TTL)
+        .heartbeat(Duration::from_millis(190))
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("job").await.unwrap();
+    let canceller = fx
+        .builder(1, TTL)
+        .shared_backend(fx.second_client().await)
+        .build()
+        .unwrap();
+    let sent = Instant::now();
+    assert!(canceller.cancel("job", "user pressed stop").await.unwrap());
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
+        .await
+        .unwrap();
+    let latency = sent.elapsed();
+    println!("cancel-to-observed latency with the message: {latency:?}");
+    assert_eq!(reason, LostReason::Cancelled("user pressed stop".into()));
+    assert!(
+        latency < Duration::from_millis(190),
+        "the message, not a renewal: {latency:?}"
+    );
+    // Still held until the holder acts: it releases, and the slot frees.
+    assert_eq!(canceller.status().await.unwrap().holders.len(), 1);
+    lease.release().await.unwrap();
+    assert!(canceller.status().await.unwrap().holders.is_empty());
+}
+
+async fn cancel_reaches_the_holder_at_its_next_renewal_without_the_message(fx: Fixture) {
+    let heartbeat = Duration::from_millis(150);
+    // This holder does not subscribe: every cancel message is lost to it.
+    let quota = fx
+        .builder(1, TTL)
+        .heartbeat(heartbeat)
+        .events(false)
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("job").await.unwrap();
+    let canceller = fx
+        .builder(1, TTL)
+        .shared_backend(fx.second_client().await)
+        .build()
+        .unwrap();
+    let sent = Instant::now();
+    assert!(canceller.cancel("job", "quota shrink").await.unwrap());
+    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
+        .await
+        .unwrap();
+    let latency = sent.elapsed();
+    println!(
+        "cancel-to-observed latency without the message: {latency:?} (heartbeat {heartbeat:?})"
+    );
+    assert_eq!(reason, LostReason::Cancelled("quota shrink".into()));
+    assert!(
+        latency <= heartbeat + Duration::from_millis(100),
+        "{latency:?}"
+    );
+}
+
+async fn cancel_before_acquire_makes_acquire_fail(fx: Fixture) {
+    let quota = fx.quota(2, TTL);
+    assert!(
+        !quota.cancel("later", "no longer needed").await.unwrap(),
+        "nobody held it"
+    );
+    let err = quota.try_acquire("later").await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Cancelled(r) if r == "no longer needed"),
+        "{err:?}"
+    );
+    assert!(matches!(
+        quota.acquire("later").await,
+        Err(Error::Cancelled(_))
+    ));
+    assert!(quota.status().await.unwrap().holders.is_empty());
+    quota.try_acquire("other").await.unwrap();
+}
+
+async fn cancel_reaches_a_waiting_task(fx: Fixture) {
+    let quota = fx
+        .builder(1, TTL)
+        .poll_interval(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let _holder = quota.try_acquire("holder").await.unwrap();
+    let waiting = {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.acquire("queued").await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let canceller = fx
+        .builder(1, TTL)
+        .shared_backend(fx.second_client().await)
+        .build()
+        .unwrap();
+    assert!(!canceller.cancel("queued", "stop waiting").await.unwrap());
+    let result = tokio::time::timeout(Duration::from_secs(2), waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(result, Err(Error::Cancelled(_))), "{result:?}");
 }

@@ -29,7 +29,18 @@ pub struct MemoryBackend {
 struct QuotaState {
     fence: u64,
     leases: HashMap<String, Stored>,
+    /// Cancel markers: task id -> (reason, expiry in backend ms).
+    cancelled: HashMap<String, (String, u64)>,
     events: broadcast::Sender<QuotaEvent>,
+}
+
+impl QuotaState {
+    fn cancel_reason(&mut self, task_id: &str, now: u64) -> Option<String> {
+        self.cancelled.retain(|_, (_, expires)| *expires > now);
+        self.cancelled
+            .get(task_id)
+            .map(|(reason, _)| reason.clone())
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +76,7 @@ impl MemoryBackend {
         let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
         for state in quotas.values_mut() {
             state.leases.clear();
+            state.cancelled.clear();
             state.fence = 0;
         }
     }
@@ -78,6 +90,7 @@ impl MemoryBackend {
         let state = quotas.entry(name.to_owned()).or_insert_with(|| QuotaState {
             fence: 0,
             leases: HashMap::new(),
+            cancelled: HashMap::new(),
             events: broadcast::channel(EVENT_CAPACITY).0,
         });
         let now = self.now_ms();
@@ -106,6 +119,9 @@ impl Backend for MemoryBackend {
     ) -> Result<AcquireReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
+            if let Some(reason) = q.cancel_reason(task_id, now) {
+                return AcquireReply::Cancelled { reason };
+            }
             q.leases.retain(|_, s| s.deadline_ms > now);
             if let Some(s) = q.leases.get_mut(task_id) {
                 s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
@@ -139,19 +155,25 @@ impl Backend for MemoryBackend {
         Ok(self.with_quota(&keys.name, |q, now| {
             leases
                 .iter()
-                .map(|(id, token)| match q.leases.get_mut(id) {
-                    Some(s) if s.deadline_ms <= now => {
-                        q.leases.remove(id);
-                        RenewOutcome::Gone
-                    }
-                    Some(s) if s.token != *token => RenewOutcome::Superseded,
-                    Some(s) => {
-                        s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
-                        RenewOutcome::Renewed {
-                            deadline_ms: s.deadline_ms,
+                .map(|(id, token)| {
+                    let cancelled = q.cancel_reason(id, now);
+                    match q.leases.get_mut(id) {
+                        Some(s) if s.deadline_ms <= now => {
+                            q.leases.remove(id);
+                            RenewOutcome::Gone
                         }
+                        Some(s) if s.token != *token => RenewOutcome::Superseded,
+                        Some(_) if cancelled.is_some() => RenewOutcome::Cancelled {
+                            reason: cancelled.unwrap_or_default(),
+                        },
+                        Some(s) => {
+                            s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
+                            RenewOutcome::Renewed {
+                                deadline_ms: s.deadline_ms,
+                            }
+                        }
+                        None => RenewOutcome::Gone,
                     }
-                    None => RenewOutcome::Gone,
                 })
                 .collect()
         }))
@@ -172,6 +194,25 @@ impl Backend for MemoryBackend {
                 token,
             });
             true
+        }))
+    }
+
+    async fn cancel(
+        &self,
+        keys: &QuotaKeys,
+        task_id: &str,
+        reason: &str,
+        marker_ttl: Duration,
+    ) -> Result<bool> {
+        Ok(self.with_quota(&keys.name, |q, now| {
+            let expires = now + marker_ttl.as_millis() as u64;
+            q.cancelled
+                .insert(task_id.to_owned(), (reason.to_owned(), expires));
+            let _ = q.events.send(QuotaEvent::Cancelled {
+                task_id: task_id.to_owned(),
+                reason: reason.to_owned(),
+            });
+            q.leases.get(task_id).is_some_and(|s| s.deadline_ms > now)
         }))
     }
 

@@ -21,6 +21,11 @@ pub enum AcquireReply {
     Acquired(LeaseRecord),
     /// The task id already held a lease; it was extended and is returned unchanged otherwise.
     Held(LeaseRecord),
+    /// The task was cancelled (a cancel marker exists for it); nothing was admitted or extended.
+    Cancelled {
+        /// The canceller's reason.
+        reason: String,
+    },
     /// No slot is free.
     Full {
         /// Backend time of the attempt, in milliseconds.
@@ -46,7 +51,7 @@ pub struct LeaseRecord {
 }
 
 /// What a renewal found for one lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RenewOutcome {
     /// Still held; the new deadline in backend milliseconds.
     Renewed {
@@ -57,6 +62,11 @@ pub enum RenewOutcome {
     Gone,
     /// The task id is held under a different fencing token: a newer admission owns it.
     Superseded,
+    /// Still held, but the task was cancelled: not extended; the holder should stop and release.
+    Cancelled {
+        /// The canceller's reason.
+        reason: String,
+    },
 }
 
 /// A point-in-time view of one quota.
@@ -78,6 +88,13 @@ pub enum QuotaEvent {
         task_id: String,
         /// Its fencing token.
         token: u64,
+    },
+    /// A task was cancelled: its holder (or its waiter) should stop.
+    Cancelled {
+        /// The cancelled task id.
+        task_id: String,
+        /// The canceller's reason.
+        reason: String,
     },
     /// The subscription was (re)established; events may have been missed before it.
     Resubscribed,
@@ -110,6 +127,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// operator's forced release). Returns whether a lease was removed; announces it if so.
     async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool>;
 
+    /// Cancels `task_id`: writes its cancel marker (kept for `marker_ttl`), then announces it.
+    /// The marker is the truth: acquire refuses a cancelled id and renew reports it. Returns
+    /// whether the task held a lease at that moment (it may also be queued, or not started yet).
+    async fn cancel(
+        &self,
+        keys: &QuotaKeys,
+        task_id: &str,
+        reason: &str,
+        marker_ttl: Duration,
+    ) -> Result<bool>;
+
     /// The live leases of the quota.
     async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot>;
 
@@ -120,11 +148,22 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 
 /// Parses the payload of a message on a quota's channel (protocol v1, see docs/PROTOCOL.md).
 pub(crate) fn parse_event(payload: &str) -> Option<QuotaEvent> {
-    let rest = payload.strip_prefix("released:")?;
-    let (token, task_id) = rest.split_once(':')?;
-    Some(QuotaEvent::Released {
+    if let Some(rest) = payload.strip_prefix("released:") {
+        let (token, task_id) = rest.split_once(':')?;
+        return Some(QuotaEvent::Released {
+            task_id: task_id.to_owned(),
+            token: token.parse().ok()?,
+        });
+    }
+    // cancelled:<byte length of the task id>:<task id>:<reason>
+    let rest = payload.strip_prefix("cancelled:")?;
+    let (len, rest) = rest.split_once(':')?;
+    let len: usize = len.parse().ok()?;
+    let task_id = rest.get(..len)?;
+    let reason = rest.get(len..)?.strip_prefix(':')?;
+    Some(QuotaEvent::Cancelled {
         task_id: task_id.to_owned(),
-        token: token.parse().ok()?,
+        reason: reason.to_owned(),
     })
 }
 
@@ -142,6 +181,14 @@ mod tests {
                 token: 42
             })
         );
+        assert_eq!(
+            parse_event("cancelled:5:a:b:c:user: stop now"),
+            Some(QuotaEvent::Cancelled {
+                task_id: "a:b:c".into(),
+                reason: "user: stop now".into()
+            })
+        );
+        assert_eq!(parse_event("cancelled:9:a:b"), None);
         assert_eq!(parse_event("bogus"), None);
         assert_eq!(parse_event("released:x:y"), None);
     }

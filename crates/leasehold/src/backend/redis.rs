@@ -26,6 +26,8 @@ static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/renew.lua")));
 static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/release.lua")));
+static CANCEL: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/cancel.lua")));
 static SNAPSHOT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/snapshot.lua")));
 
@@ -313,6 +315,7 @@ impl Backend for RedisBackend {
                     keys.leases.clone(),
                     keys.holders.clone(),
                     keys.fence.clone(),
+                    keys.cancel(task_id),
                 ],
                 vec![
                     task_id.to_owned(),
@@ -324,6 +327,9 @@ impl Backend for RedisBackend {
         match int(reply.first())? {
             1 => Ok(AcquireReply::Acquired(lease_record(task_id, &reply)?)),
             2 => Ok(AcquireReply::Held(lease_record(task_id, &reply)?)),
+            3 => Ok(AcquireReply::Cancelled {
+                reason: text(reply.get(1))?,
+            }),
             0 => Ok(AcquireReply::Full {
                 earliest_deadline_ms: int(reply.get(1))?,
                 now_ms: int(reply.get(2))?,
@@ -347,13 +353,10 @@ impl Backend for RedisBackend {
             args.push(id.clone());
             args.push(token.to_string());
         }
+        let mut renew_keys = vec![keys.leases.clone(), keys.holders.clone()];
+        renew_keys.extend(leases.iter().map(|(id, _)| keys.cancel(id)));
         let reply = self
-            .invoke(
-                keys.name.clone(),
-                &RENEW,
-                vec![keys.leases.clone(), keys.holders.clone()],
-                args,
-            )
+            .invoke(keys.name.clone(), &RENEW, renew_keys, args)
             .await?;
         if reply.len() != 1 + 2 * leases.len() {
             return Err(Misconfiguration::Protocol(format!(
@@ -370,6 +373,9 @@ impl Backend for RedisBackend {
                     deadline_ms: int(pair.get(1))?,
                 }),
                 2 => Ok(RenewOutcome::Superseded),
+                3 => Ok(RenewOutcome::Cancelled {
+                    reason: text(pair.get(1))?,
+                }),
                 _ => Ok(RenewOutcome::Gone),
             })
             .collect()
@@ -383,6 +389,29 @@ impl Backend for RedisBackend {
                 &RELEASE,
                 vec![keys.leases.clone(), keys.holders.clone()],
                 vec![task_id.to_owned(), token, keys.events.clone()],
+            )
+            .await?;
+        Ok(int(reply.first())? == 1)
+    }
+
+    async fn cancel(
+        &self,
+        keys: &QuotaKeys,
+        task_id: &str,
+        reason: &str,
+        marker_ttl: Duration,
+    ) -> Result<bool> {
+        let reply = self
+            .invoke(
+                keys.name.clone(),
+                &CANCEL,
+                vec![keys.leases.clone(), keys.cancel(task_id)],
+                vec![
+                    task_id.to_owned(),
+                    reason.to_owned(),
+                    marker_ttl.as_millis().max(1).to_string(),
+                    keys.events.clone(),
+                ],
             )
             .await?;
         Ok(int(reply.first())? == 1)

@@ -1,15 +1,22 @@
 -- leasehold protocol v1: acquire
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
--- KEYS[3] fence (STRING counter)
+-- KEYS[3] fence (STRING counter)   KEYS[4] this task's cancel marker (STRING reason)
 -- ARGV[1] task id   ARGV[2] ttl ms   ARGV[3] limit
 -- Reply: {1, token, acquired_ms, deadline_ms, now_ms}  acquired (a new admission)
 --        {2, token, acquired_ms, deadline_ms, now_ms}  held (this id already held a lease; extended)
 --        {0, earliest_deadline_ms, now_ms}            full
+--        {3, reason}                                  cancelled (a cancel marker exists)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
+
+-- A cancelled task is never admitted, nor extended.
+local cancelled = redis.call('GET', KEYS[4])
+if cancelled then
+  return {3, cancelled}
+end
 
 -- Reap expired leases and their metadata; no janitor runs anywhere else.
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)

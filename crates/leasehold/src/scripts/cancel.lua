@@ -1,0 +1,16 @@
+-- leasehold protocol v1: cancel a task, held or not
+-- KEYS[1] leases   KEYS[2] the task's cancel marker
+-- ARGV[1] task id   ARGV[2] reason   ARGV[3] marker ttl ms   ARGV[4] channel
+-- Reply: {1} if the task held a live lease, {0} otherwise (it may be queued or not started).
+-- The marker is written first: it is the truth, which acquire and renew read. The message only
+-- makes the cancel fast; it may be lost.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id = ARGV[1]
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+local score = redis.call('ZSCORE', KEYS[1], id)
+redis.call('PUBLISH', ARGV[4], 'cancelled:' .. string.len(id) .. ':' .. id .. ':' .. ARGV[2])
+if score and tonumber(score) > now then
+  return {1}
+end
+return {0}
