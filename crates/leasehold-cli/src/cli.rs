@@ -1,0 +1,98 @@
+//! The command line, as clap sees it.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Run commands under one concurrency quota shared by a whole fleet, kept in Redis as named,
+/// expiring, heartbeat-renewed leases.
+///
+/// Exit codes: see docs/CLI.md (75 = no slot within --wait, 79 = lease lost, 80 = cancelled,
+/// 69 = Redis unavailable, 78 = misconfigured).
+#[derive(Debug, Parser)]
+#[command(name = "leasehold", version, propagate_version = true)]
+pub struct Cli {
+    /// Redis URL, e.g. redis://:password@127.0.0.1:6379/ or rediss://... Without it, only the
+    /// in-memory backend of this one process exists, which no other process can see.
+    #[arg(long, global = true, env = "LEASEHOLD_REDIS_URL", value_name = "URL")]
+    pub redis: Option<String>,
+
+    /// The quota's name: every process using the same name on the same Redis shares its limit.
+    #[arg(long, global = true, env = "LEASEHOLD_QUOTA", value_name = "NAME")]
+    pub quota: Option<String>,
+
+    /// Say more on stderr (the task id, the fencing token, lease events).
+    #[arg(short, long, global = true)]
+    pub verbose: bool,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Acquire a slot, run COMMAND while renewing it, release it when COMMAND exits.
+    ///
+    /// COMMAND gets LEASEHOLD_QUOTA, LEASEHOLD_TASK_ID and LEASEHOLD_FENCING_TOKEN in its
+    /// environment and runs in its own process group. leasehold exits with COMMAND's exit code
+    /// (128+N if killed by signal N). If the lease is lost or the task cancelled, COMMAND gets
+    /// SIGTERM, then SIGKILL after --grace.
+    Run(RunArgs),
+    /// Show the holders of a quota.
+    Status(StatusArgs),
+    /// Cancel a task wherever it runs: its `leasehold run` terminates its command.
+    Cancel(CancelArgs),
+    /// Force-release a task's lease by id (operator use): its holder learns it has lost it.
+    Release(ReleaseArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// How many tasks may run at once, fleet-wide.
+    #[arg(long, value_name = "N")]
+    pub limit: u64,
+    /// Lease time to live: a crashed holder's slot comes back this long after its last renewal.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub ttl: Duration,
+    /// Renewal interval (default: ttl / 3).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub heartbeat: Option<Duration>,
+    /// How long to wait for a slot: 0 = one try, unset = forever.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub wait: Option<Duration>,
+    /// The task id (default: a fresh UUIDv7). Cancel and release address tasks by it.
+    #[arg(long, value_name = "ID")]
+    pub task_id: Option<String>,
+    /// Time between SIGTERM and SIGKILL when the command must stop.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub grace: Duration,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// The quota's limit, to show free slots (the limit lives in the clients, not in Redis).
+    #[arg(long, value_name = "N")]
+    pub limit: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// The task to cancel.
+    pub task_id: String,
+    /// Why; the holder sees it.
+    #[arg(long, default_value = "cancelled by operator")]
+    pub reason: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ReleaseArgs {
+    /// The task whose lease to remove.
+    pub task_id: String,
+}

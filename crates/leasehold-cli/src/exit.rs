@@ -1,0 +1,53 @@
+//! Exit codes (stable; documented in docs/CLI.md) and the one-line error that goes with them.
+
+use leasehold::Error;
+
+/// Usage error (clap's own code).
+pub const USAGE: i32 = 2;
+/// `release`: there was no lease to remove.
+pub const NOT_HELD: i32 = 1;
+/// Redis could not be reached or answered with a transient error (EX_UNAVAILABLE).
+pub const UNAVAILABLE: i32 = 69;
+/// An internal error (EX_SOFTWARE).
+pub const SOFTWARE: i32 = 70;
+/// No slot within --wait (EX_TEMPFAIL).
+pub const NO_SLOT: i32 = 75;
+/// Bad configuration: URL, credentials, limit, names, a key of the wrong type (EX_CONFIG).
+pub const CONFIG: i32 = 78;
+/// The lease was lost while the command ran; the command was terminated.
+pub const LEASE_LOST: i32 = 79;
+/// The task was cancelled, before or while the command ran.
+pub const CANCELLED: i32 = 80;
+/// The command was found but could not be executed (like a shell).
+pub const CANNOT_EXECUTE: i32 = 126;
+/// The command was not found (like a shell).
+pub const NOT_FOUND: i32 = 127;
+
+/// A failure to report: one line on stderr, then exit with `code`.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: i32,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(code: i32, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        let code = match &e {
+            Error::Full { .. } | Error::TimedOut { .. } => NO_SLOT,
+            Error::LeaseLost(_) => LEASE_LOST,
+            Error::Cancelled(_) => CANCELLED,
+            Error::BackendUnavailable(_) => UNAVAILABLE,
+            Error::Misconfigured(_) => CONFIG,
+        };
+        Failure::new(code, e.to_string())
+    }
+}

@@ -1,0 +1,120 @@
+//! `leasehold`: the command line of the leasehold library. See `leasehold --help` and
+//! docs/CLI.md.
+
+mod cli;
+mod exit;
+mod run;
+mod status;
+
+use std::time::Duration;
+
+use clap::Parser;
+
+use leasehold::{Quota, RedisBackend};
+
+use cli::{Cli, Command};
+use exit::Failure;
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // One line, not clap's page of usage: scripts log stderr.
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            fail(Failure::new(
+                exit::USAGE,
+                format!("{first} (see leasehold --help)"),
+            ))
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => fail(Failure::new(exit::SOFTWARE, format!("cannot start: {e}"))),
+    };
+    match runtime.block_on(dispatch(cli)) {
+        Ok(code) => std::process::exit(code),
+        Err(failure) => fail(failure),
+    }
+}
+
+fn fail(failure: Failure) -> ! {
+    eprintln!("leasehold: {}", failure.message);
+    std::process::exit(failure.code)
+}
+
+async fn dispatch(cli: Cli) -> Result<i32, Failure> {
+    let verb = match &cli.command {
+        Command::Run(_) => "run",
+        Command::Status(_) => "status",
+        Command::Cancel(_) => "cancel",
+        Command::Release(_) => "release",
+    };
+    let name = cli.quota.clone().ok_or_else(|| {
+        Failure::new(
+            exit::USAGE,
+            format!("`leasehold {verb}` needs --quota NAME (or LEASEHOLD_QUOTA)"),
+        )
+    })?;
+    let url = cli.redis.clone().ok_or_else(|| {
+        Failure::new(
+            exit::USAGE,
+            format!(
+                "`leasehold {verb}` needs --redis URL (or LEASEHOLD_REDIS_URL): without Redis \
+                 the quota would exist only inside this one process"
+            ),
+        )
+    })?;
+    let backend = RedisBackend::connect(&url).await?;
+    let builder = |limit: u64| {
+        Quota::builder(name.clone())
+            .limit(limit)
+            .backend(backend.clone())
+    };
+    match cli.command {
+        Command::Run(args) => {
+            let mut b = builder(args.limit).ttl(args.ttl);
+            if let Some(every) = args.heartbeat {
+                b = b.heartbeat(every);
+            }
+            run::run(b.build()?, args, cli.verbose).await
+        }
+        Command::Status(args) => {
+            // The limit only matters for the free-slot column; 1 is a placeholder when unknown.
+            let quota = builder(args.limit.unwrap_or(1)).build()?;
+            status::print(&quota, args.limit.is_some(), args.json).await
+        }
+        Command::Cancel(args) => {
+            let held = builder(1)
+                .build()?
+                .cancel(&args.task_id, &args.reason)
+                .await?;
+            println!(
+                "{}: cancel marker written{}",
+                args.task_id,
+                if held {
+                    "; it held a lease"
+                } else {
+                    "; it held no lease (queued or not started)"
+                }
+            );
+            Ok(0)
+        }
+        Command::Release(args) => {
+            let quota = builder(1).ttl(Duration::from_secs(10)).build()?;
+            if quota.force_release(&args.task_id).await? {
+                println!("{}: released", args.task_id);
+                Ok(0)
+            } else {
+                println!("{}: held no lease", args.task_id);
+                Ok(exit::NOT_HELD)
+            }
+        }
+    }
+}

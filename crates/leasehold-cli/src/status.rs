@@ -1,0 +1,83 @@
+//! `leasehold status`: the holders of a quota, as an aligned table or as JSON.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use leasehold::Quota;
+use serde_json::json;
+
+use crate::exit::Failure;
+
+fn millis(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn between(from: SystemTime, to: SystemTime) -> Duration {
+    to.duration_since(from).unwrap_or_default()
+}
+
+pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i32, Failure> {
+    let status = quota.status().await?;
+    let limit = limit_known.then_some(status.limit);
+    let free = limit_known.then(|| status.free());
+    if as_json {
+        let holders: Vec<_> = status
+            .holders
+            .iter()
+            .map(|h| {
+                json!({
+                    "task_id": h.task_id,
+                    "fencing_token": h.fencing_token,
+                    "acquired_at_ms": millis(h.acquired_at),
+                    "deadline_ms": millis(h.deadline),
+                    "age_ms": between(h.acquired_at, status.now).as_millis() as u64,
+                    "expires_in_ms": between(status.now, h.deadline).as_millis() as u64,
+                })
+            })
+            .collect();
+        let doc = json!({
+            "quota": status.quota,
+            "now_ms": millis(status.now),
+            "limit": limit,
+            "held": status.holders.len(),
+            "free": free,
+            "holders": holders,
+        });
+        println!("{doc}");
+        return Ok(0);
+    }
+    let shown = |v: Option<u32>| v.map_or_else(|| "?".to_owned(), |n| n.to_string());
+    println!(
+        "quota {}: {} held, limit {}, free {}",
+        status.quota,
+        status.holders.len(),
+        shown(limit),
+        shown(free)
+    );
+    if status.holders.is_empty() {
+        return Ok(0);
+    }
+    let width = status
+        .holders
+        .iter()
+        .map(|h| h.task_id.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max("TASK ID".len());
+    println!(
+        "{:<width$}  {:>8}  {:>10}  {:>10}",
+        "TASK ID", "TOKEN", "AGE", "EXPIRES IN"
+    );
+    for h in &status.holders {
+        let age = between(h.acquired_at, status.now);
+        let left = between(status.now, h.deadline);
+        println!(
+            "{:<width$}  {:>8}  {:>9.1}s  {:>9.1}s",
+            h.task_id,
+            h.fencing_token,
+            age.as_secs_f64(),
+            left.as_secs_f64()
+        );
+    }
+    Ok(0)
+}

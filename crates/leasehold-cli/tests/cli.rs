@@ -1,0 +1,433 @@
+//! The built `leasehold` binary, as separate processes, against a private redis-server.
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use leasehold_testkit::{free_port, temp_dir, RedisServer};
+
+fn leasehold(url: &str, quota: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
+    cmd.env("LEASEHOLD_REDIS_URL", url)
+        .env("LEASEHOLD_QUOTA", quota)
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn output(mut cmd: Command) -> Output {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = cmd.spawn().expect("spawn leasehold");
+    wait_output(child, Duration::from_secs(30))
+}
+
+fn wait_output(mut child: Child, within: Duration) -> Output {
+    let end = Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > end {
+            let _ = child.kill();
+            panic!("leasehold did not finish within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn wait_exit(child: &mut Child, within: Duration) -> i32 {
+    let end = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status.code().expect("leasehold itself exits with a code");
+        }
+        assert!(
+            Instant::now() < end,
+            "leasehold did not exit within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits until `task` holds a lease in `quota`.
+fn wait_held(server: &RedisServer, quota: &str, task: &str) {
+    let key = format!("leasehold:{{{quota}}}:leases");
+    let end = Instant::now() + Duration::from_secs(10);
+    while server
+        .command(&["ZSCORE", &key, task])
+        .as_string()
+        .is_none()
+    {
+        assert!(Instant::now() < end, "{task} never acquired");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn holders(server: &RedisServer, quota: &str) -> i64 {
+    server
+        .command(&["ZCARD", &format!("leasehold:{{{quota}}}:leases")])
+        .as_int()
+        .unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn ten_runs_on_limit_three_never_overlap_more_than_three() {
+    let server = RedisServer::start();
+    let dir = temp_dir("leasehold-cli-overlap");
+    let log = dir.join("log");
+    let script = format!(
+        r#"echo "$LEASEHOLD_TASK_ID start $(date +%s%N)" >> {0}; sleep 0.3; echo "$LEASEHOLD_TASK_ID end $(date +%s%N)" >> {0}"#,
+        log.display()
+    );
+    let runs: Vec<Child> = (0..10)
+        .map(|_| {
+            leasehold(&server.url(), "overlap")
+                .args([
+                    "run", "--limit", "3", "--ttl", "3s", "--", "sh", "-c", &script,
+                ])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut run in runs {
+        assert_eq!(wait_exit(&mut run, Duration::from_secs(30)), 0);
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    let mut edges: Vec<(u128, i32)> = text
+        .lines()
+        .map(|line| {
+            let parts: Vec<&str> = line.split_whitespace().collect();
+            let delta = if parts[1] == "start" { 1 } else { -1 };
+            (parts[2].parse().unwrap(), delta)
+        })
+        .collect();
+    assert_eq!(edges.len(), 20, "all 10 commands ran to the end:\n{text}");
+    edges.sort();
+    let (mut open, mut max) = (0, 0);
+    for (_, delta) in edges {
+        open += delta;
+        max = max.max(open);
+    }
+    println!("10 runs, limit 3: maximum overlap {max}");
+    assert!(max <= 3, "{max} commands ran at once");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn the_commands_exit_code_propagates_and_a_full_quota_exits_75_at_once() {
+    let server = RedisServer::start();
+    let out = output({
+        let mut c = leasehold(&server.url(), "codes");
+        c.args(["run", "--limit", "1", "--", "sh", "-c", "exit 7"]);
+        c
+    });
+    assert_eq!(out.status.code(), Some(7));
+    let out = output({
+        let mut c = leasehold(&server.url(), "codes");
+        c.args(["run", "--limit", "1", "--", "sh", "-c", "kill -KILL $$"]);
+        c
+    });
+    assert_eq!(
+        out.status.code(),
+        Some(128 + 9),
+        "killed by SIGKILL, like a shell"
+    );
+    let mut holder = leasehold(&server.url(), "codes")
+        .args([
+            "run",
+            "--limit",
+            "1",
+            "--task-id",
+            "holder",
+            "--",
+            "sleep",
+            "30",
+        ])
+        .spawn()
+        .unwrap();
+    wait_held(&server, "codes", "holder");
+    let started = Instant::now();
+    let out = output({
+        let mut c = leasehold(&server.url(), "codes");
+        c.args(["run", "--limit", "1", "--wait", "0", "--", "true"]);
+        c
+    });
+    assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    let out = output({
+        let mut c = leasehold(&server.url(), "codes");
+        c.args(["run", "--limit", "1", "--wait", "300ms", "--", "true"]);
+        c
+    });
+    assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}
+
+#[test]
+fn a_sigkilled_run_and_its_command_free_the_slot_one_ttl_later() {
+    let server = RedisServer::start();
+    let dir = temp_dir("leasehold-cli-kill");
+    let pidfile = dir.join("pid");
+    let mut victim = leasehold(&server.url(), "kill")
+        .args([
+            "run",
+            "--limit",
+            "1",
+            "--ttl",
+            "1s",
+            "--task-id",
+            "victim",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            &format!("echo $$ > {}; exec sleep 60", pidfile.display()),
+        ])
+        .spawn()
+        .unwrap();
+    wait_held(&server, "kill", "victim");
+    std::thread::sleep(Duration::from_millis(500)); // a renewal went through
+    let child_pid: i32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    victim.kill().unwrap(); // SIGKILL leasehold run: no release, no renewal
+    victim.wait().unwrap();
+    // SAFETY: kill(2) on the child's pid; no memory involved.
+    unsafe { libc::kill(child_pid, libc::SIGKILL) };
+    let killed = Instant::now();
+    let out = output({
+        let mut c = leasehold(&server.url(), "kill");
+        c.args(["run", "--limit", "1", "--ttl", "1s", "--", "true"]);
+        c
+    });
+    let reuse = killed.elapsed();
+    println!("slot of a SIGKILLed `leasehold run` reused after {reuse:?} (ttl 1s)");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(reuse < Duration::from_secs(3), "{reuse:?}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+fn cancel_run(server: &RedisServer, quota: &str, command: &[&str], grace: &str) -> (i32, Duration) {
+    let mut run = leasehold(&server.url(), quota)
+        .args([
+            "run",
+            "--limit",
+            "1",
+            "--task-id",
+            "job",
+            "--grace",
+            grace,
+            "--",
+        ])
+        .args(command)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_held(server, quota, "job");
+    std::thread::sleep(Duration::from_millis(200)); // let the command start
+    let cancelled = Instant::now();
+    let out = output({
+        let mut c = leasehold(&server.url(), quota);
+        c.args(["cancel", "job", "--reason", "test"]);
+        c
+    });
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let code = wait_exit(&mut run, Duration::from_secs(15));
+    (code, cancelled.elapsed())
+}
+
+#[test]
+fn cancel_from_another_process_stops_the_command() {
+    let server = RedisServer::start();
+    let (code, took) = cancel_run(&server, "cancel", &["sleep", "60"], "5s");
+    println!("cancel to `leasehold run` exit (command obeys SIGTERM): {took:?}");
+    assert_eq!(code, 80);
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert_eq!(holders(&server, "cancel"), 0, "the slot was released");
+
+    let stubborn = ["sh", "-c", "trap '' TERM; while true; do sleep 0.1; done"];
+    let (code, took) = cancel_run(&server, "cancel2", &stubborn, "1s");
+    println!("cancel to exit (command ignores SIGTERM, grace 1s): {took:?}");
+    assert_eq!(code, 80);
+    assert!(
+        took >= Duration::from_secs(1) && took < Duration::from_secs(4),
+        "{took:?}"
+    );
+    assert_eq!(holders(&server, "cancel2"), 0);
+}
+
+#[test]
+fn sigterm_to_run_is_forwarded_and_the_slot_released_after_the_command_exits() {
+    let server = RedisServer::start();
+    let mut run = leasehold(&server.url(), "term")
+        .args(["run", "--limit", "1", "--task-id", "t", "--", "sleep", "60"])
+        .spawn()
+        .unwrap();
+    wait_held(&server, "term", "t");
+    std::thread::sleep(Duration::from_millis(200));
+    // SAFETY: kill(2) on our child's pid.
+    unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
+    assert_eq!(wait_exit(&mut run, Duration::from_secs(10)), 128 + 15);
+    assert_eq!(holders(&server, "term"), 0);
+}
+
+#[test]
+fn status_shows_holders_as_a_table_and_as_json() {
+    let server = RedisServer::start();
+    let mut run = leasehold(&server.url(), "st")
+        .args([
+            "run",
+            "--limit",
+            "2",
+            "--task-id",
+            "visible",
+            "--",
+            "sleep",
+            "30",
+        ])
+        .spawn()
+        .unwrap();
+    wait_held(&server, "st", "visible");
+    let table = output({
+        let mut c = leasehold(&server.url(), "st");
+        c.args(["status", "--limit", "2"]);
+        c
+    });
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("1 held, limit 2, free 1"), "{text}");
+    assert!(text.contains("visible"), "{text}");
+    let json = output({
+        let mut c = leasehold(&server.url(), "st");
+        c.args(["status", "--json"]);
+        c
+    });
+    let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(doc["held"], 1);
+    assert_eq!(doc["holders"][0]["task_id"], "visible");
+    assert!(doc["holders"][0]["fencing_token"].as_u64().unwrap() >= 1);
+    let released = output({
+        let mut c = leasehold(&server.url(), "st");
+        c.args(["release", "visible"]);
+        c
+    });
+    assert_eq!(released.status.code(), Some(0));
+    assert_eq!(
+        wait_exit(&mut run, Duration::from_secs(10)),
+        79,
+        "lease lost: released elsewhere"
+    );
+}
+
+#[test]
+fn bad_input_gets_one_line_and_a_non_zero_exit_never_a_panic() {
+    let server = RedisServer::start_with(&["--requirepass", "pw"]);
+    let port = server.port();
+    let good = format!("redis://:pw@127.0.0.1:{port}/");
+    let cases: Vec<(Vec<String>, i32)> = vec![
+        (
+            vec![
+                "run".into(),
+                "--limit".into(),
+                "1".into(),
+                "--bogus".into(),
+                "--".into(),
+                "true".into(),
+            ],
+            2,
+        ),
+        (
+            vec![
+                "run".into(),
+                "--limit".into(),
+                "0".into(),
+                "--".into(),
+                "true".into(),
+            ],
+            78,
+        ),
+        (
+            vec![
+                "run".into(),
+                "--limit".into(),
+                "-1".into(),
+                "--".into(),
+                "true".into(),
+            ],
+            2,
+        ),
+        (
+            vec!["--redis".into(), "not a url".into(), "status".into()],
+            78,
+        ),
+        (
+            vec![
+                "--redis".into(),
+                format!("redis://127.0.0.1:{}/", free_port()),
+                "status".into(),
+            ],
+            69,
+        ),
+        (
+            vec![
+                "--redis".into(),
+                format!("redis://:wrong@127.0.0.1:{port}/"),
+                "status".into(),
+            ],
+            78,
+        ),
+        (
+            vec![
+                "--redis".into(),
+                format!("redis://127.0.0.1:{port}/"),
+                "status".into(),
+            ],
+            78,
+        ),
+        (vec!["--quota".into(), "a{b}".into(), "status".into()], 78),
+        (
+            vec![
+                "run".into(),
+                "--limit".into(),
+                "1".into(),
+                "--".into(),
+                "/no/such/command".into(),
+            ],
+            127,
+        ),
+    ];
+    for (args, code) in cases {
+        let out = output({
+            let mut c = leasehold(&good, "bad");
+            c.args(&args);
+            c
+        });
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{args:?}: one line, got {err:?}"
+        );
+        assert!(err.starts_with("leasehold: "), "{args:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("backtrace"),
+            "{err}"
+        );
+    }
+    let no_redis = output({
+        let mut c = Command::new(env!("CARGO_BIN_EXE_leasehold"));
+        c.args(["status", "--quota", "q"])
+            .env_remove("LEASEHOLD_REDIS_URL");
+        c
+    });
+    assert_eq!(no_redis.status.code(), Some(2));
+    assert!(
+        stderr(&no_redis).contains("needs --redis"),
+        "{}",
+        stderr(&no_redis)
+    );
+}
