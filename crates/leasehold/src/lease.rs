@@ -232,6 +232,14 @@ impl Lease {
         }
     }
 
+    /// Stops renewing the lease without releasing it, as a crashed holder would: the slot stays
+    /// taken until its deadline passes, then any acquire reclaims it. For fault-injection tests
+    /// and demonstrations; [`lost`](Self::lost) resolves with [`LostReason::Released`].
+    pub fn abandon(self) {
+        self.inner.release_sent.store(true, Ordering::Release);
+        self.inner.mark_lost(LostReason::Released);
+    }
+
     /// Releases the slot now. Idempotent: a second call, or a call after the lease was lost, does
     /// nothing and succeeds. The backend only removes the lease while it still carries this
     /// fencing token, so a late release can never free someone else's slot.

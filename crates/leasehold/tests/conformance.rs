@@ -35,6 +35,7 @@ conformance!(
     cancel_reaches_the_holder_at_its_next_renewal_without_the_message,
     cancel_before_acquire_makes_acquire_fail,
     cancel_reaches_a_waiting_task,
+    an_abandoned_lease_holds_its_slot_until_its_deadline,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -568,4 +569,27 @@ async fn cancel_reaches_a_waiting_task(fx: Fixture) {
         .unwrap()
         .unwrap();
     assert!(matches!(result, Err(Error::Cancelled(_))), "{result:?}");
+}
+
+async fn an_abandoned_lease_holds_its_slot_until_its_deadline(fx: Fixture) {
+    let quota = fx
+        .builder(1, TTL)
+        .poll_interval(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("crashing").await.unwrap();
+    let crashed = Instant::now();
+    lease.abandon(); // like a SIGKILL: no release, no more renewals
+    assert!(matches!(
+        quota.try_acquire("next").await,
+        Err(Error::Full { .. })
+    ));
+    let next = quota.acquire("next").await.unwrap();
+    let after = crashed.elapsed();
+    println!("abandoned slot reclaimed after {after:?} (ttl {TTL:?})");
+    assert!(
+        after >= TTL - Duration::from_millis(50) && after < TTL * 2,
+        "{after:?}"
+    );
+    assert!(next.is_held());
 }
