@@ -7,6 +7,8 @@
 //!   resume (SIGCONT) it, stopped and cleaned up on drop;
 //! * [`Reply`] and [`RedisServer::command`]: a tiny blocking RESP2 client to
 //!   inspect or prepare server state without an async runtime;
+//! * [`proxy::FaultProxy`]: a TCP proxy in front of a server with switchable faults
+//!   (latency, stall, dropped connections, partition, lost Pub/Sub deliveries);
 //! * [`free_port`] and [`temp_dir`]: small helpers.
 //!
 //! The `redis-server` binary is taken from `PATH`, or from the
@@ -28,6 +30,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+pub mod proxy;
 mod resp;
 mod server;
 

@@ -1,0 +1,320 @@
+//! [`FaultProxy`]: a TCP proxy on 127.0.0.1 in front of a redis-server, with faults a test can
+//! switch on and off while traffic flows.
+//!
+//! Plain std threads: one acceptor per proxy, and per client connection one thread per
+//! direction. Every blocking call has a short timeout, so each thread notices a control change
+//! or the proxy's shutdown within a few milliseconds, and dropping the proxy joins them all.
+//!
+//! ```
+//! use std::time::Duration;
+//! use leasehold_testkit::{proxy::FaultProxy, RedisServer};
+//!
+//! let server = RedisServer::start();
+//! let proxy = FaultProxy::start(server.port());
+//! // Point the client under test at redis://127.0.0.1:{proxy.port()}/, then:
+//! proxy.set_latency(Duration::from_millis(100)); // each direction: +200 ms per round trip
+//! proxy.partition(true);                          // this client is cut off from Redis
+//! proxy.partition(false);
+//! assert_ne!(proxy.port(), server.port());
+//! ```
+
+mod pump;
+mod push_filter;
+
+use std::io;
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use pump::Direction;
+
+/// How often the acceptor looks for a new connection or a shutdown.
+const ACCEPT_TICK: Duration = Duration::from_millis(2);
+/// Bound on connecting to the upstream server.
+const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A TCP proxy on a free 127.0.0.1 port that forwards to a redis-server port on 127.0.0.1,
+/// with switchable faults. All controls take effect on the connections already open.
+///
+/// Dropping the proxy closes its listener and every connection and joins its threads.
+#[derive(Debug)]
+pub struct FaultProxy {
+    port: u16,
+    shared: Arc<Shared>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+/// The state shared by the proxy handle, its acceptor and its connection threads.
+#[derive(Debug)]
+struct Shared {
+    upstream: SocketAddr,
+    faults: Faults,
+    connections: Mutex<Vec<Connection>>,
+    accepted: AtomicU64,
+}
+
+/// The switches, read by the forwarding threads on every step.
+#[derive(Debug, Default)]
+pub(crate) struct Faults {
+    latency_us: AtomicU64,
+    stalled: AtomicBool,
+    partitioned: AtomicBool,
+    drop_pushes: AtomicBool,
+    stopping: AtomicBool,
+}
+
+impl Faults {
+    pub(crate) fn latency(&self) -> Duration {
+        Duration::from_micros(self.latency_us.load(Ordering::Relaxed))
+    }
+    pub(crate) fn stalled(&self) -> bool {
+        self.stalled.load(Ordering::Relaxed)
+    }
+    pub(crate) fn drop_pushes(&self) -> bool {
+        self.drop_pushes.load(Ordering::Relaxed)
+    }
+    pub(crate) fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed)
+    }
+}
+
+/// One proxied client connection.
+#[derive(Debug)]
+struct Connection {
+    client: TcpStream,
+    /// Set once the upstream connection is open.
+    upstream: Arc<Mutex<Option<TcpStream>>>,
+    closed: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl Connection {
+    fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        let _ = self.client.shutdown(Shutdown::Both);
+        if let Some(upstream) = lock(&self.upstream).as_ref() {
+            let _ = upstream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl FaultProxy {
+    /// Starts a proxy on a free 127.0.0.1 port forwarding to `127.0.0.1:upstream_port`.
+    /// Panics if no listener can be bound.
+    pub fn start(upstream_port: u16) -> FaultProxy {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .unwrap_or_else(|e| panic!("fault proxy: cannot bind 127.0.0.1:0: {e}"));
+        listener
+            .set_nonblocking(true)
+            .unwrap_or_else(|e| panic!("fault proxy: cannot make the listener non-blocking: {e}"));
+        let port = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("fault proxy: no local address: {e}"))
+            .port();
+        let shared = Arc::new(Shared {
+            upstream: SocketAddr::from((Ipv4Addr::LOCALHOST, upstream_port)),
+            faults: Faults::default(),
+            connections: Mutex::new(Vec::new()),
+            accepted: AtomicU64::new(0),
+        });
+        let acceptor = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name(format!("fault-proxy-{port}"))
+                .spawn(move || accept_loop(listener, &shared))
+                .unwrap_or_else(|e| panic!("fault proxy: cannot spawn its acceptor: {e}"))
+        };
+        FaultProxy {
+            port,
+            shared,
+            acceptor: Some(acceptor),
+        }
+    }
+
+    /// The port clients connect to (on 127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The URL of the proxied server, `redis://127.0.0.1:PORT/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Delays every forwarded chunk by `latency`, in each direction: a request/reply round trip
+    /// gets twice this. Chunks keep their order. `Duration::ZERO` turns it off; chunks already
+    /// queued keep the delay they were given.
+    pub fn set_latency(&self, latency: Duration) {
+        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.shared.faults.latency_us.store(us, Ordering::Relaxed);
+    }
+
+    /// Stops forwarding in both directions while keeping every socket open (a half-open link,
+    /// a "blackhole"), or resumes it. Bytes already read are held and delivered on resume; new
+    /// connections are accepted but carry nothing until then.
+    pub fn stall(&self, stalled: bool) {
+        self.shared.faults.stalled.store(stalled, Ordering::Relaxed);
+    }
+
+    /// Closes every current client connection (and its upstream side). New connections work.
+    /// Returns when the connections' threads have ended.
+    pub fn drop_connections(&self) {
+        let connections = std::mem::take(&mut *lock(&self.shared.connections));
+        for connection in &connections {
+            connection.close();
+        }
+        for connection in connections {
+            let _ = connection.thread.join();
+        }
+    }
+
+    /// Cuts the proxied client off, or heals the cut: while partitioned, current connections
+    /// are closed and new ones are closed as soon as they are accepted.
+    pub fn partition(&self, partitioned: bool) {
+        self.shared
+            .faults
+            .partitioned
+            .store(partitioned, Ordering::Relaxed);
+        if partitioned {
+            self.drop_connections();
+        }
+    }
+
+    /// Drops the Pub/Sub deliveries (RESP3 `message`, `pmessage` and `smessage` pushes) that the
+    /// server sends, and forwards everything else, subscription confirmations included: the
+    /// client stays subscribed and never hears a message.
+    pub fn drop_pushes(&self, drop: bool) {
+        self.shared
+            .faults
+            .drop_pushes
+            .store(drop, Ordering::Relaxed);
+    }
+
+    /// Client connections open right now.
+    pub fn connections(&self) -> usize {
+        let mut connections = lock(&self.shared.connections);
+        connections.retain(|c| !c.thread.is_finished());
+        connections.len()
+    }
+
+    /// Client connections accepted since the proxy started (including refused ones).
+    pub fn accepted(&self) -> u64 {
+        self.shared.accepted.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.shared.faults.stopping.store(true, Ordering::Relaxed);
+        if let Some(acceptor) = self.acceptor.take() {
+            let _ = acceptor.join();
+        }
+        self.drop_connections();
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: &Arc<Shared>) {
+    while !shared.faults.stopping() {
+        match listener.accept() {
+            Ok((client, _)) => {
+                shared.accepted.fetch_add(1, Ordering::Relaxed);
+                if shared.faults.partitioned.load(Ordering::Relaxed) {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                if let Err(e) = open(client, shared) {
+                    eprintln!("fault proxy: dropped a connection: {e}");
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(ACCEPT_TICK),
+            Err(_) => thread::sleep(ACCEPT_TICK),
+        }
+    }
+}
+
+/// Registers an accepted client and starts its connection thread.
+fn open(client: TcpStream, shared: &Arc<Shared>) -> io::Result<()> {
+    client.set_nonblocking(false)?;
+    client.set_nodelay(true)?;
+    let upstream = Arc::new(Mutex::new(None));
+    let closed = Arc::new(AtomicBool::new(false));
+    let thread = {
+        let client = client.try_clone()?;
+        let (upstream, closed, shared) = (upstream.clone(), closed.clone(), shared.clone());
+        thread::Builder::new()
+            .name("fault-proxy-conn".into())
+            .spawn(move || run_connection(client, &upstream, &closed, &shared))?
+    };
+    let mut connections = lock(&shared.connections);
+    connections.retain(|c| !c.thread.is_finished());
+    connections.push(Connection {
+        client,
+        upstream,
+        closed,
+        thread,
+    });
+    Ok(())
+}
+
+/// Connects upstream, then forwards both directions until either side closes.
+fn run_connection(
+    client: TcpStream,
+    upstream_slot: &Mutex<Option<TcpStream>>,
+    closed: &Arc<AtomicBool>,
+    shared: &Arc<Shared>,
+) {
+    let upstream = match TcpStream::connect_timeout(&shared.upstream, UPSTREAM_CONNECT_TIMEOUT) {
+        Ok(upstream) => upstream,
+        Err(_) => {
+            let _ = client.shutdown(Shutdown::Both);
+            return;
+        }
+    };
+    let _ = upstream.set_nodelay(true);
+    let clones = (
+        client.try_clone(),
+        upstream.try_clone(),
+        upstream.try_clone(),
+    );
+    let (Ok(client_out), Ok(upstream_in), Ok(registered)) = clones else {
+        let _ = client.shutdown(Shutdown::Both);
+        return;
+    };
+    *lock(upstream_slot) = Some(registered);
+    if closed.load(Ordering::Relaxed) {
+        // drop_connections ran while we were connecting.
+        let _ = upstream.shutdown(Shutdown::Both);
+        let _ = client.shutdown(Shutdown::Both);
+        return;
+    }
+    let backward = {
+        let (closed, shared) = (closed.clone(), shared.clone());
+        thread::Builder::new()
+            .name("fault-proxy-down".into())
+            .spawn(move || {
+                pump::forward(
+                    upstream_in,
+                    client_out,
+                    Direction::ToClient,
+                    &closed,
+                    &shared.faults,
+                )
+            })
+    };
+    pump::forward(
+        client,
+        upstream,
+        Direction::ToServer,
+        closed,
+        &shared.faults,
+    );
+    if let Ok(backward) = backward {
+        let _ = backward.join();
+    }
+}
