@@ -13,6 +13,8 @@
 //!    admission (from `INFO commandstats`);
 //! 4. a summary table, and the same figures as one `BENCH_JSON {...}` line for tooling.
 //!
+//! Every phase also reports where the CPU went (this process split by thread, the Redis server,
+//! the rest of the machine, hypervisor steal), because client and server share the machine.
 //! Targets are reported as PASS/MISS; a miss does not fail the run. Metric definitions are in
 //! `docs/BENCHMARKS.md`.
 //!
@@ -64,8 +66,17 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// Microseconds to milliseconds.
 fn ms(us: u64) -> f64 {
     us as f64 / 1000.0
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
 }
 
 fn verdict(pass: bool) -> &'static str {
@@ -76,7 +87,7 @@ fn verdict(pass: bool) -> &'static str {
     }
 }
 
-/// The time frame of one phase: warm-up from `start`, measured window `[from, end]`.
+/// The time frame of one phase: warm-up from its start, then the measured window `[from, end]`.
 #[derive(Clone, Copy)]
 struct Window {
     from: Instant,
@@ -101,13 +112,64 @@ impl Window {
     }
 }
 
-/// Process CPU, Redis CPU and Redis command statistics at one instant.
-struct Probe {
-    at: Instant,
-    client_cpu: f64,
-    redis_cpu: f64,
-    /// Command name (without `cmdstat_`) -> (calls, usec).
-    commands: HashMap<String, (u64, u64)>,
+// ---------------------------------------------------------------------------------------------
+// Where the CPU goes: this process (by thread), the Redis server, the machine, steal.
+// ---------------------------------------------------------------------------------------------
+
+/// Clock ticks per second of `/proc` CPU counters.
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks > 0 {
+        ticks as f64
+    } else {
+        100.0
+    }
+}
+
+/// CPU seconds (user + system) of this process's live threads, summed by thread name.
+fn thread_cpu() -> HashMap<String, f64> {
+    let mut out = HashMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    let ticks = clock_ticks();
+    for task in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        // "tid (comm) state ppid ... utime stime ...": the name may hold spaces and parentheses.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_owned();
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // After the name: state is field 3 of stat(5), utime field 14, stime field 15.
+        let num = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok());
+        if let (Some(user), Some(system)) = (num(11), num(12)) {
+            *out.entry(name).or_insert(0.0) += (user + system) / ticks;
+        }
+    }
+    out
+}
+
+/// Machine-wide (busy, steal) CPU seconds since boot, from the first line of `/proc/stat`.
+fn machine_cpu() -> (f64, f64) {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return (0.0, 0.0);
+    };
+    let fields: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let at = |i: usize| fields.get(i).copied().unwrap_or(0.0);
+    // user nice system idle iowait irq softirq steal ...
+    let busy = at(0) + at(1) + at(2) + at(5) + at(6);
+    (busy / clock_ticks(), at(7) / clock_ticks())
 }
 
 /// CPU time (user + system) of this whole process, every thread included, in seconds.
@@ -118,7 +180,7 @@ fn process_cpu_secs() -> f64 {
     if rc != 0 {
         return 0.0;
     }
-    // SAFETY: getrusage returned 0, so it filled the struct (and it started zeroed anyway).
+    // SAFETY: getrusage returned 0, so it filled the struct (which started zeroed anyway).
     let usage = unsafe { usage.assume_init() };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     tv(usage.ru_utime) + tv(usage.ru_stime)
@@ -135,6 +197,18 @@ fn info(server: &RedisServer, section: &str) -> HashMap<String, String> {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.to_owned(), v.trim().to_owned()))
         .collect()
+}
+
+/// Process CPU, Redis CPU, machine CPU and Redis command statistics at one instant.
+struct Probe {
+    at: Instant,
+    client_cpu: f64,
+    threads: HashMap<String, f64>,
+    redis_cpu: f64,
+    machine_busy: f64,
+    machine_steal: f64,
+    /// Command name (without `cmdstat_`) -> (calls, usec).
+    commands: HashMap<String, (u64, u64)>,
 }
 
 fn probe(server: &RedisServer) -> Probe {
@@ -158,37 +232,68 @@ fn probe(server: &RedisServer) -> Probe {
             Some((name, (field("calls"), field("usec"))))
         })
         .collect();
+    let (machine_busy, machine_steal) = machine_cpu();
     Probe {
         at: Instant::now(),
         client_cpu: process_cpu_secs(),
+        threads: thread_cpu(),
         redis_cpu,
+        machine_busy,
+        machine_steal,
         commands,
     }
 }
 
-/// What happened on the Redis server and in this process between two probes.
+/// What happened on the Redis server, in this process and on the machine between two probes.
+/// CPU figures are in cores (CPU seconds per wall second).
 struct Usage {
     wall: f64,
-    client_cpu: f64,
-    redis_cpu: f64,
+    client: f64,
+    leasehold_runtime: f64,
+    tokio_workers: f64,
+    redis: f64,
+    others: f64,
+    steal: f64,
+    /// Command -> (calls, usec) during the phase. Commands run inside scripts count too.
     commands: HashMap<String, (u64, u64)>,
 }
 
 impl Usage {
     fn between(before: &Probe, after: &Probe) -> Usage {
+        let wall = (after.at - before.at).as_secs_f64().max(1e-9);
+        let thread = |prefix: &str| {
+            after
+                .threads
+                .iter()
+                .filter(|(name, _)| name.starts_with(prefix))
+                .map(|(name, cpu)| cpu - before.threads.get(name).copied().unwrap_or(0.0))
+                .sum::<f64>()
+                / wall
+        };
         let commands = after
             .commands
             .iter()
             .map(|(name, &(calls, usec))| {
                 let (c0, u0) = before.commands.get(name).copied().unwrap_or((0, 0));
-                (name.clone(), (calls - c0, usec - u0))
+                (
+                    name.clone(),
+                    (calls.saturating_sub(c0), usec.saturating_sub(u0)),
+                )
             })
             .filter(|(_, (calls, _))| *calls > 0)
             .collect();
+        let client = (after.client_cpu - before.client_cpu) / wall;
+        let redis = (after.redis_cpu - before.redis_cpu) / wall;
+        let busy = (after.machine_busy - before.machine_busy) / wall;
         Usage {
-            wall: (after.at - before.at).as_secs_f64(),
-            client_cpu: after.client_cpu - before.client_cpu,
-            redis_cpu: after.redis_cpu - before.redis_cpu,
+            wall,
+            client,
+            // Linux truncates thread names to 15 bytes: "leasehold-runtime" reads "leasehold-runti".
+            leasehold_runtime: thread("leasehold-run"),
+            tokio_workers: thread("tokio-runtime-w") + thread("tokio-rt-worker"),
+            redis,
+            others: (busy - client - redis).max(0.0),
+            steal: (after.machine_steal - before.machine_steal) / wall,
             commands,
         }
     }
@@ -197,8 +302,14 @@ impl Usage {
         self.commands.get(name).map_or(0, |c| c.0)
     }
 
-    fn usec(&self, name: &str) -> u64 {
-        self.commands.get(name).map_or(0, |c| c.1)
+    /// Redis-side µs per call of `names` together (time inside the command, scripts' inner
+    /// commands included, as `INFO commandstats` reports it).
+    fn usec_per_call(&self, names: &[&str]) -> f64 {
+        let (calls, usec) = names
+            .iter()
+            .filter_map(|n| self.commands.get(*n))
+            .fold((0, 0), |(c, u), &(c1, u1)| (c + c1, u + u1));
+        usec as f64 / calls.max(1) as f64
     }
 
     /// Script invocations: EVALSHA + EVAL (+ SCRIPT LOAD, a round trip too).
@@ -206,77 +317,93 @@ impl Usage {
         self.calls("evalsha") + self.calls("eval") + self.calls("script|load")
     }
 
-    /// Commands clients sent (commands run inside scripts are left out).
-    fn client_commands(&self) -> u64 {
-        self.commands
-            .iter()
-            .filter(|(name, _)| {
-                matches!(
-                    name.as_str(),
-                    "evalsha"
-                        | "eval"
-                        | "script|load"
-                        | "incr"
-                        | "decr"
-                        | "ping"
-                        | "subscribe"
-                        | "hello"
-                        | "client|setinfo"
-                )
-            })
-            .map(|(_, (calls, _))| calls)
-            .sum()
+    fn describe(&self) -> String {
+        format!(
+            "client {:.2} (leasehold-runtime thread {:.2}, tokio workers {:.2}), redis-server {:.2}, \
+             other processes {:.2}, steal {:.2}",
+            self.client,
+            self.leasehold_runtime,
+            self.tokio_workers,
+            self.redis,
+            self.others,
+            self.steal
+        )
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "client": round2(self.client),
+            "leasehold_runtime_thread": round2(self.leasehold_runtime),
+            "tokio_workers": round2(self.tokio_workers),
+            "redis_server": round2(self.redis),
+            "other_processes": round2(self.others),
+            "steal": round2(self.steal),
+        })
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Uncontended closed loops.
+// ---------------------------------------------------------------------------------------------
 
 /// Result of one closed-loop throughput phase.
 struct Throughput {
     /// Cycles completed inside the measured window, per second.
     per_sec: f64,
-    /// Cycle latency of the cycles completed inside the window, µs.
+    /// Latency of the cycles completed inside the window, µs.
     latency: Histogram<u64>,
     /// Cycles completed during the whole phase (warm-up and drain included).
     total_cycles: u64,
     errors: u64,
     usage: Usage,
+    /// Client commands per cycle (scripts for leasehold, INCR + DECR for the floor).
+    calls_per_cycle: f64,
+    /// Redis-side µs per client command.
+    redis_us_per_call: f64,
 }
 
 impl Throughput {
-    fn cpu_us_per_cycle(&self, cpu: f64) -> f64 {
-        cpu * 1e6 / self.total_cycles.max(1) as f64
+    /// CPU µs per cycle over the whole phase, for a figure in cores.
+    fn us_per_cycle(&self, cores: f64) -> f64 {
+        cores * self.usage.wall * 1e6 / self.total_cycles.max(1) as f64
     }
 
     fn json(&self) -> Value {
         json!({
             "cycles_per_sec": self.per_sec.round(),
-            "p50_us": self.latency.value_at_quantile(0.5),
-            "p99_us": self.latency.value_at_quantile(0.99),
+            "p50_ms": ms(self.latency.value_at_quantile(0.5)),
+            "p99_ms": ms(self.latency.value_at_quantile(0.99)),
             "errors": self.errors,
-            "client_cpu_us_per_cycle": round2(self.cpu_us_per_cycle(self.usage.client_cpu)),
-            "redis_cpu_us_per_cycle": round2(self.cpu_us_per_cycle(self.usage.redis_cpu)),
-            "client_cores_busy": round2(self.usage.client_cpu / self.usage.wall),
-            "redis_cores_busy": round2(self.usage.redis_cpu / self.usage.wall),
-            "redis_calls_per_cycle":
-                round2(self.usage.client_commands() as f64 / self.total_cycles.max(1) as f64),
+            "redis_calls_per_cycle": round2(self.calls_per_cycle),
+            "redis_us_per_call": round2(self.redis_us_per_call),
+            "client_cpu_us_per_cycle": round2(self.us_per_cycle(self.usage.client)),
+            "redis_cpu_us_per_cycle": round2(self.us_per_cycle(self.usage.redis)),
+            "cores": self.usage.json(),
         })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{:.2} calls/cycle, {:.1} µs in redis per call; cpu per cycle: client {:.1} µs, \
+             redis {:.1} µs; cores: {}",
+            self.calls_per_cycle,
+            self.redis_us_per_call,
+            self.us_per_cycle(self.usage.client),
+            self.us_per_cycle(self.usage.redis),
+            self.usage.describe()
+        )
     }
 }
 
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
-}
-
-fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
-}
-
 /// Runs `cycle(task, i)` in a closed loop on `tasks` concurrent tasks for the warm-up plus the
-/// measured window, counting the cycles that complete inside the window.
+/// measured window, counting the cycles that complete inside the window. `calls` names the
+/// client commands one cycle sends.
 fn closed_loop<F, Fut>(
     rt: &tokio::runtime::Runtime,
     server: &RedisServer,
     tasks: usize,
     measure: Duration,
+    calls: &[&str],
     cycle: F,
 ) -> Throughput
 where
@@ -331,11 +458,14 @@ where
         errors += e;
         latency.add(&h).expect("same histogram bounds");
     }
+    let sent: u64 = calls.iter().map(|c| usage.calls(c)).sum();
     Throughput {
         per_sec: in_window as f64 / window.secs(),
         latency,
         total_cycles,
         errors,
+        calls_per_cycle: sent as f64 / total_cycles.max(1) as f64,
+        redis_us_per_call: usage.usec_per_call(calls),
         usage,
     }
 }
@@ -359,13 +489,17 @@ async fn join_bounded<T: Send + 'static>(
     out
 }
 
+// ---------------------------------------------------------------------------------------------
+// Contention.
+// ---------------------------------------------------------------------------------------------
+
 /// One contended cycle as seen by its task.
 struct Cycle {
     /// `acquire_timeout` called.
     asked: Instant,
-    /// Lease returned.
+    /// Lease returned to the task.
     admitted: Instant,
-    /// Hold (sleep) over.
+    /// Hold (sleep) over, `release` called.
     held: Instant,
     /// `release().await` returned.
     released: Instant,
@@ -405,8 +539,9 @@ fn contended(
                 let quota = quota.clone();
                 tokio::spawn(async move {
                     let mut cycles = Vec::new();
-                    let (mut wait_started_in_window, mut timeouts, mut errors) =
-                        (Vec::new(), 0u64, 0u64);
+                    // Waits of the acquires that started inside the window, however they ended.
+                    let mut waits = Vec::new();
+                    let (mut timeouts, mut errors) = (0u64, 0u64);
                     let mut i = 0u64;
                     loop {
                         let asked = Instant::now();
@@ -419,14 +554,16 @@ fn contended(
                             Ok(lease) => {
                                 let admitted = Instant::now();
                                 if window.contains(asked) {
-                                    wait_started_in_window.push(admitted - asked);
+                                    waits.push(admitted - asked);
                                 }
                                 tokio::time::sleep(NOMINAL_HOLD).await;
                                 let held = Instant::now();
                                 let result = lease.release().await;
                                 let released = Instant::now();
                                 if let Err(e) = result {
-                                    eprintln!("contended release failed: {e}");
+                                    if errors == 0 {
+                                        eprintln!("contended release failed: {e}");
+                                    }
                                     errors += 1;
                                 }
                                 cycles.push(Cycle {
@@ -438,7 +575,7 @@ fn contended(
                             }
                             Err(Error::TimedOut { .. }) => {
                                 if window.contains(asked) {
-                                    wait_started_in_window.push(ACQUIRE_TIMEOUT);
+                                    waits.push(ACQUIRE_TIMEOUT);
                                 }
                                 timeouts += 1;
                             }
@@ -451,7 +588,7 @@ fn contended(
                             }
                         }
                     }
-                    (cycles, wait_started_in_window, timeouts, errors)
+                    (cycles, waits, timeouts, errors)
                 })
             })
             .collect();
@@ -493,6 +630,8 @@ fn contended(
         if !window.contains(c.admitted) {
             continue;
         }
+        // An admission "had to wait" when a release completed while it was asking; its wake-up
+        // is measured from the latest such release.
         if let Some(r) = latest_before(&release_done, c.admitted, c.asked) {
             waited_admissions += 1;
             wake.saturating_record(micros(c.admitted - r));
@@ -501,7 +640,7 @@ fn contended(
             wake_from_release_call.saturating_record(micros(c.admitted - r));
         }
     }
-    let n = admissions_total.max(1) as u32;
+    let n = u32::try_from(admissions_total.max(1)).unwrap_or(u32::MAX);
     Contended {
         per_sec: completed as f64 / window.secs(),
         admissions_total,
@@ -517,6 +656,27 @@ fn contended(
     }
 }
 
+/// `git describe`-like revision of the workspace, with `+dirty` when files differ from HEAD.
+fn revision() -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(env!("CARGO_MANIFEST_DIR"))
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    match git(&["rev-parse", "--short", "HEAD"]) {
+        Some(rev) => match git(&["status", "--porcelain", "--untracked-files=no"]) {
+            Some(s) if !s.is_empty() => format!("{rev}+dirty"),
+            _ => rev,
+        },
+        None => "unknown".into(),
+    }
+}
+
 fn main() {
     let secs = std::env::var("LEASEHOLD_BENCH_SECS")
         .ok()
@@ -527,12 +687,12 @@ fn main() {
     let started = Instant::now();
 
     let server = RedisServer::start();
-    let server_info = info(&server, "server");
-    let redis_version = server_info
+    let redis_version = info(&server, "server")
         .get("redis_version")
         .cloned()
         .unwrap_or_default();
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let rev = revision();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -542,15 +702,12 @@ fn main() {
         .block_on(RedisBackend::connect(&url))
         .unwrap_or_else(|e| panic!("cannot connect to the private redis at {url}: {e}"));
     println!(
-        "leasehold throughput benchmark: redis-server {redis_version} at {url}, {cpus} CPUs, \
-         tokio multi-thread ({cpus} workers), {secs} s per measurement after {} ms warm-up",
+        "leasehold throughput benchmark @ {rev}: private redis-server {redis_version} at {url}, \
+         {cpus} CPUs, tokio multi-thread runtime ({cpus} workers), {secs} s per measurement \
+         after {} ms warm-up",
         WARMUP.as_millis()
     );
 
-    if std::env::var("DIAG").is_ok() {
-        diag(&rt, &backend);
-        return;
-    }
     // 1 + 2: uncontended leasehold and the naive counter floor, interleaved per level.
     let mut levels = Vec::new();
     for &tasks in &LEVELS {
@@ -560,32 +717,46 @@ fn main() {
             .backend(backend.clone())
             .build()
             .expect("valid quota");
-        let lh = closed_loop(&rt, &server, tasks, measure, move |task, i| {
-            let quota = quota.clone();
-            async move {
-                let lease = quota.acquire(&format!("t{task}-{i}")).await?;
-                lease.release().await
-            }
-        });
+        let lh = closed_loop(
+            &rt,
+            &server,
+            tasks,
+            measure,
+            &["evalsha", "eval", "script|load"],
+            move |task, i| {
+                let quota = quota.clone();
+                async move {
+                    let lease = quota.acquire(&format!("t{task}-{i}")).await?;
+                    lease.release().await
+                }
+            },
+        );
         let key = format!("bench-{}-floor-{tasks}", std::process::id());
         let floor_backend = backend.clone();
-        let floor = closed_loop(&rt, &server, tasks, measure, move |_, _| {
-            let backend = floor_backend.clone();
-            let key = key.clone();
-            async move {
-                backend
-                    .call::<i64>(redis::cmd("INCR").arg(&key).clone())
-                    .await?;
-                backend
-                    .call::<i64>(redis::cmd("DECR").arg(&key).clone())
-                    .await?;
-                Ok(())
-            }
-        });
+        let floor = closed_loop(
+            &rt,
+            &server,
+            tasks,
+            measure,
+            &["incr", "decr"],
+            move |_, _| {
+                let backend = floor_backend.clone();
+                let key = key.clone();
+                async move {
+                    backend
+                        .call::<i64>(redis::cmd("INCR").arg(&key).clone())
+                        .await?;
+                    backend
+                        .call::<i64>(redis::cmd("DECR").arg(&key).clone())
+                        .await?;
+                    Ok(())
+                }
+            },
+        );
         let ratio = lh.per_sec / floor.per_sec.max(f64::MIN_POSITIVE);
         println!(
-            "uncontended {tasks:>2} tasks: leasehold {:>8.0} cycles/s (p50 {:.3} ms, p99 {:.3} ms) \
-             | floor INCR+DECR {:>8.0} cycles/s (p50 {:.3} ms, p99 {:.3} ms) | ratio {ratio:.3}",
+            "uncontended {tasks:>2} tasks: leasehold {:>6.0} cycles/s (p50 {:.3} ms, p99 {:.3} ms) \
+             | floor INCR+DECR {:>6.0} cycles/s (p50 {:.3} ms, p99 {:.3} ms) | ratio {ratio:.3}",
             lh.per_sec,
             ms(lh.latency.value_at_quantile(0.5)),
             ms(lh.latency.value_at_quantile(0.99)),
@@ -593,24 +764,14 @@ fn main() {
             ms(floor.latency.value_at_quantile(0.5)),
             ms(floor.latency.value_at_quantile(0.99)),
         );
-        println!(
-            "    cpu per cycle: leasehold client {:.1} µs + redis {:.1} µs, {:.2} redis calls; \
-             floor client {:.1} µs + redis {:.1} µs, {:.2} redis calls",
-            lh.cpu_us_per_cycle(lh.usage.client_cpu),
-            lh.cpu_us_per_cycle(lh.usage.redis_cpu),
-            lh.usage.client_commands() as f64 / lh.total_cycles.max(1) as f64,
-            floor.cpu_us_per_cycle(floor.usage.client_cpu),
-            floor.cpu_us_per_cycle(floor.usage.redis_cpu),
-            floor.usage.client_commands() as f64 / floor.total_cycles.max(1) as f64,
-        );
+        println!("    leasehold: {}", lh.describe());
+        println!("    floor:     {}", floor.describe());
         if lh.errors + floor.errors > 0 {
             println!(
                 "    errors: leasehold {}, floor {}",
                 lh.errors, floor.errors
             );
         }
-        dump(&lh.usage);
-        dump(&floor.usage);
         levels.push((tasks, lh, floor, ratio));
     }
 
@@ -624,44 +785,43 @@ fn main() {
     let frac_measured = c.per_sec / measured_rate;
     let admissions = c.admissions_total.max(1) as f64;
     let scripts_per_admission = c.usage.script_calls() as f64 / admissions;
-    // Each acquire script calls ZRANGEBYSCORE exactly once (release and renew never do), and
-    // every admission is released exactly once.
+    // Every acquire script calls ZRANGEBYSCORE exactly once (unless the task was cancelled, which
+    // this benchmark never does); release and renew scripts never call it.
     let acquire_calls = c.usage.calls("zrangebyscore");
     let acquire_per_admission = acquire_calls as f64 / admissions;
+    // Each admission is released exactly once; what remains is renewals (and any other script).
     let other_scripts = c
         .usage
         .script_calls()
         .saturating_sub(acquire_calls + c.admissions_total);
-    let failed_attempts_per_sec = acquire_calls.saturating_sub(c.admissions_total) as f64
-        / c.usage.wall.max(f64::MIN_POSITIVE);
-    let evalsha_us = c.usage.usec("evalsha") as f64 / c.usage.calls("evalsha").max(1) as f64;
+    let failed_attempts_per_sec =
+        acquire_calls.saturating_sub(c.admissions_total) as f64 / c.usage.wall;
+    let evalsha_us = c.usage.usec_per_call(&["evalsha"]);
     let wait_p99 = ms(c.wait.value_at_quantile(0.99));
     let wake_p50 = ms(c.wake.value_at_quantile(0.5));
     println!(
-        "contended (limit {CONTENDED_LIMIT}, {CONTENDED_TASKS} tasks, hold {:?}): {:.0} cycles/s \
-         = {:.3} of limit/nominal hold ({nominal_rate:.0}/s), {:.3} of limit/measured hold \
-         ({measured_rate:.0}/s, mean hold {:.3} ms); mean admission→release-done {:.3} ms \
-         (limit/that = {occupancy_rate:.0}/s)",
-        NOMINAL_HOLD,
+        "contended (limit {CONTENDED_LIMIT}, {CONTENDED_TASKS} tasks, hold {NOMINAL_HOLD:?}): \
+         {:.0} cycles/s = {frac_nominal:.3} of limit/nominal hold ({nominal_rate:.0}/s), \
+         {frac_measured:.3} of limit/measured hold ({measured_rate:.0}/s, mean hold {:.3} ms)",
         c.per_sec,
-        frac_nominal,
-        frac_measured,
         c.mean_hold.as_secs_f64() * 1e3,
+    );
+    println!(
+        "    mean admission→release done {:.3} ms (limit / that = {occupancy_rate:.0}/s)",
         c.mean_occupancy.as_secs_f64() * 1e3,
     );
     println!(
-        "    acquire wait p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms ({} waits, {} timeouts, {} errors)",
+        "    acquire wait p50 {:.3} ms, p99 {wait_p99:.3} ms, max {:.3} ms \
+         ({} acquires started in the window, {} timeouts, {} errors)",
         ms(c.wait.value_at_quantile(0.5)),
-        wait_p99,
         ms(c.wait.max()),
         c.wait.len(),
         c.timeouts,
         c.errors
     );
     println!(
-        "    wake-up release-done→admission p50 {:.3} ms, p99 {:.3} ms ({} waited admissions); \
-         from release call: p50 {:.3} ms, p99 {:.3} ms",
-        wake_p50,
+        "    wake-up release done→admission p50 {wake_p50:.3} ms, p99 {:.3} ms \
+         ({} admissions that waited); from release call: p50 {:.3} ms, p99 {:.3} ms",
         ms(c.wake.value_at_quantile(0.99)),
         c.waited_admissions,
         ms(c.wake_from_release_call.value_at_quantile(0.5)),
@@ -670,67 +830,71 @@ fn main() {
     println!(
         "    redis: {} script calls for {} admissions = {scripts_per_admission:.2} per admission \
          (floor 2.0: one acquire + one release); acquire scripts {acquire_per_admission:.2} per \
-         admission ({failed_attempts_per_sec:.0} failed attempts/s), other scripts {other_scripts}; \
-         {evalsha_us:.1} µs redis time per EVALSHA",
+         admission ({failed_attempts_per_sec:.0} failed attempts/s); other scripts \
+         {other_scripts}; {evalsha_us:.1} µs in redis per EVALSHA",
         c.usage.script_calls(),
         c.admissions_total
     );
-    println!(
-        "    cpu: client {:.2} cores, redis {:.2} cores busy",
-        c.usage.client_cpu / c.usage.wall,
-        c.usage.redis_cpu / c.usage.wall
-    );
+    println!("    cores: {}", c.usage.describe());
 
     // 4: summary.
-    let mut targets = Vec::new();
-    let (_, _, _, ratio64) = levels
+    let ratio64 = levels
         .iter()
         .find(|(t, ..)| *t == 64)
-        .expect("64 is a level");
-    targets.push((
-        "uncontended ratio leasehold/floor at 64 tasks",
-        format!("{ratio64:.3}"),
-        format!(">= {TARGET_RATIO_64}"),
-        *ratio64 >= TARGET_RATIO_64,
-    ));
-    targets.push((
-        "contended cycles/s / (limit/nominal hold)",
-        format!("{frac_nominal:.3}"),
-        format!(">= {TARGET_CONTENDED_FRACTION}"),
-        frac_nominal >= TARGET_CONTENDED_FRACTION,
-    ));
-    targets.push((
-        "contended cycles/s / (limit/measured hold)",
-        format!("{frac_measured:.3}"),
-        format!(">= {TARGET_CONTENDED_FRACTION}"),
-        frac_measured >= TARGET_CONTENDED_FRACTION,
-    ));
-    targets.push((
-        "contended acquire-wait p99 (ms)",
-        format!("{wait_p99:.3}"),
-        format!("<= {TARGET_WAIT_P99_MS}"),
-        wait_p99 <= TARGET_WAIT_P99_MS,
-    ));
-    targets.push((
-        "contended wake-up p50 (ms)",
-        format!("{wake_p50:.3}"),
-        format!("<= {TARGET_WAKE_P50_MS}"),
-        wake_p50 <= TARGET_WAKE_P50_MS,
-    ));
+        .map_or(0.0, |(.., r)| *r);
+    let targets = [
+        (
+            "uncontended ratio leasehold/floor at 64 tasks",
+            ratio64,
+            format!(">= {TARGET_RATIO_64}"),
+            ratio64 >= TARGET_RATIO_64,
+        ),
+        (
+            "contended cycles/s / (limit/nominal hold)",
+            frac_nominal,
+            format!(">= {TARGET_CONTENDED_FRACTION}"),
+            frac_nominal >= TARGET_CONTENDED_FRACTION,
+        ),
+        (
+            "contended cycles/s / (limit/measured hold)",
+            frac_measured,
+            format!(">= {TARGET_CONTENDED_FRACTION}"),
+            frac_measured >= TARGET_CONTENDED_FRACTION,
+        ),
+        (
+            "contended acquire-wait p99 (ms)",
+            wait_p99,
+            format!("<= {TARGET_WAIT_P99_MS}"),
+            wait_p99 <= TARGET_WAIT_P99_MS,
+        ),
+        (
+            "contended wake-up p50 (ms)",
+            wake_p50,
+            format!("<= {TARGET_WAKE_P50_MS}"),
+            wake_p50 <= TARGET_WAKE_P50_MS,
+        ),
+    ];
 
     println!();
-    println!("| tasks | leasehold cycles/s | floor INCR+DECR cycles/s | ratio |");
-    println!("|---:|---:|---:|---:|");
+    println!("| tasks | leasehold cycles/s | p50 / p99 ms | floor INCR+DECR cycles/s | p50 / p99 ms | ratio |");
+    println!("|---:|---:|---:|---:|---:|---:|");
     for (tasks, lh, floor, ratio) in &levels {
         println!(
-            "| {tasks} | {:.0} | {:.0} | {ratio:.3} |",
-            lh.per_sec, floor.per_sec
+            "| {tasks} | {:.0} | {:.2} / {:.2} | {:.0} | {:.2} / {:.2} | {ratio:.3} |",
+            lh.per_sec,
+            ms(lh.latency.value_at_quantile(0.5)),
+            ms(lh.latency.value_at_quantile(0.99)),
+            floor.per_sec,
+            ms(floor.latency.value_at_quantile(0.5)),
+            ms(floor.latency.value_at_quantile(0.99)),
         );
     }
     println!();
-    println!("| contended metric | value |");
+    println!(
+        "| contended (limit {CONTENDED_LIMIT}, {CONTENDED_TASKS} tasks, ~1 ms hold) | value |"
+    );
     println!("|---|---:|");
-    for (name, value) in [
+    let rows = [
         ("cycles/s", format!("{:.0}", c.per_sec)),
         (
             "mean measured hold (ms)",
@@ -745,35 +909,39 @@ fn main() {
             format!("{frac_measured:.3}"),
         ),
         (
-            "acquire wait p50 (ms)",
-            format!("{:.3}", ms(c.wait.value_at_quantile(0.5))),
-        ),
-        ("acquire wait p99 (ms)", format!("{wait_p99:.3}")),
-        ("acquire wait max (ms)", format!("{:.3}", ms(c.wait.max()))),
-        ("wake-up p50 (ms)", format!("{wake_p50:.3}")),
-        (
-            "wake-up p99 (ms)",
-            format!("{:.3}", ms(c.wake.value_at_quantile(0.99))),
+            "acquire wait p50 / p99 / max (ms)",
+            format!(
+                "{:.2} / {:.2} / {:.2}",
+                ms(c.wait.value_at_quantile(0.5)),
+                wait_p99,
+                ms(c.wait.max())
+            ),
         ),
         (
-            "script calls per admission",
+            "wake-up p50 / p99 (ms)",
+            format!("{wake_p50:.3} / {:.3}", ms(c.wake.value_at_quantile(0.99))),
+        ),
+        (
+            "script calls per admission (floor 2.0)",
             format!("{scripts_per_admission:.2}"),
         ),
         (
             "acquire scripts per admission",
             format!("{acquire_per_admission:.2}"),
         ),
-    ] {
+    ];
+    for (name, value) in rows {
         println!("| {name} | {value} |");
     }
     println!();
     println!("| target | value | goal | result |");
     println!("|---|---:|---:|---|");
     for (name, value, goal, pass) in &targets {
-        println!("| {name} | {value} | {goal} | {} |", verdict(*pass));
+        println!("| {name} | {value:.3} | {goal} | {} |", verdict(*pass));
     }
 
     let report = json!({
+        "revision": rev,
         "redis_version": redis_version,
         "cpus": cpus,
         "secs": secs,
@@ -808,69 +976,13 @@ fn main() {
             "failed_attempts_per_sec": failed_attempts_per_sec.round(),
             "other_script_calls": other_scripts,
             "redis_us_per_evalsha": round2(evalsha_us),
-            "client_cores_busy": round2(c.usage.client_cpu / c.usage.wall),
-            "redis_cores_busy": round2(c.usage.redis_cpu / c.usage.wall),
+            "cores": c.usage.json(),
         },
         "targets": targets.iter().map(|(name, value, goal, pass)| json!({
-            "name": name, "value": value, "goal": goal, "pass": pass,
+            "name": name, "value": round3(*value), "goal": goal, "pass": pass,
         })).collect::<Vec<_>>(),
     });
     println!();
     println!("BENCH_JSON {report}");
     println!("(total run time {:.1} s)", started.elapsed().as_secs_f64());
-}
-#[allow(dead_code)]
-fn dump(u: &Usage) {
-    let mut v: Vec<_> = u.commands.iter().collect();
-    v.sort();
-    eprintln!("{v:?}");
-}
-#[allow(dead_code)]
-fn diag(rt: &tokio::runtime::Runtime, backend: &RedisBackend) {
-    let quota = Quota::builder("diag")
-        .limit(10000)
-        .ttl(TTL)
-        .backend(backend.clone())
-        .build()
-        .unwrap();
-    let backend = backend.clone();
-    rt.block_on(async move {
-        tokio::spawn(async move {
-            let (mut a, mut r, mut f, mut p) = (histogram(), histogram(), histogram(), histogram());
-            for i in 0..3000 {
-                let t0 = Instant::now();
-                let lease = quota.acquire(&format!("d{i}")).await.unwrap();
-                let t1 = Instant::now();
-                lease.release().await.unwrap();
-                let t2 = Instant::now();
-                backend
-                    .call::<i64>(redis::cmd("INCR").arg("x").clone())
-                    .await
-                    .unwrap();
-                let t3 = Instant::now();
-                let _ = quota.try_acquire(&format!("e{i}")).await.unwrap();
-                let t4 = Instant::now();
-                a.saturating_record(micros(t1 - t0));
-                r.saturating_record(micros(t2 - t1));
-                f.saturating_record(micros(t3 - t2));
-                p.saturating_record(micros(t4 - t3));
-            }
-            for (n, h) in [
-                ("acquire", a),
-                ("release", r),
-                ("incr", f),
-                ("try_acquire+drop", p),
-            ] {
-                eprintln!(
-                    "{n}: p10 {} p50 {} p90 {} p99 {}",
-                    h.value_at_quantile(0.1),
-                    h.value_at_quantile(0.5),
-                    h.value_at_quantile(0.9),
-                    h.value_at_quantile(0.99)
-                );
-            }
-        })
-        .await
-        .unwrap()
-    });
 }

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::memory::MemoryBackend;
 use crate::backend::Backend;
+use crate::breaker::BreakerConfig;
 use crate::error::{Misconfiguration, Result};
 use crate::keys::{validate_limit, QuotaKeys};
 use crate::quota::Quota;
@@ -18,6 +19,25 @@ pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
 /// handles to one quota name in one process see the same leases.
 static EMBEDDED: LazyLock<Arc<MemoryBackend>> = LazyLock::new(|| Arc::new(MemoryBackend::new()));
 
+/// What a quota answers when the backend cannot (errors, timeouts, an open circuit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendDownPolicy {
+    /// No admission without a positive answer from the backend: callers get
+    /// [`Error::BackendUnavailable`](crate::Error::BackendUnavailable) at once. The default.
+    #[default]
+    FailClosed,
+    /// Admit everyone while the backend cannot answer. The upstream's own limit (its 429s) is
+    /// then the only limit: this sends the storm downstream.
+    FailOpen,
+    /// Admit up to `share` leases in this process while the backend cannot answer, for example
+    /// limit / expected number of workers, so the fleet stays near the limit instead of at zero
+    /// or at infinity.
+    DegradeLocal {
+        /// Leases this process may hold without the backend.
+        share: u32,
+    },
+}
+
 /// The validated settings of a quota.
 #[derive(Debug, Clone)]
 pub(crate) struct QuotaConfig {
@@ -28,6 +48,8 @@ pub(crate) struct QuotaConfig {
     pub(crate) poll_interval: Duration,
     pub(crate) cancel_marker_ttl: Duration,
     pub(crate) events: bool,
+    pub(crate) when_down: BackendDownPolicy,
+    pub(crate) breaker: BreakerConfig,
 }
 
 impl QuotaConfig {
@@ -48,6 +70,8 @@ pub struct QuotaBuilder {
     poll_interval: Duration,
     cancel_marker_ttl: Option<Duration>,
     events: bool,
+    when_down: BackendDownPolicy,
+    breaker: BreakerConfig,
     backend: Option<Arc<dyn Backend>>,
 }
 
@@ -62,6 +86,8 @@ impl QuotaBuilder {
             poll_interval: Duration::from_millis(250),
             cancel_marker_ttl: None,
             events: true,
+            when_down: BackendDownPolicy::FailClosed,
+            breaker: BreakerConfig::default(),
             backend: None,
         }
     }
@@ -117,6 +143,19 @@ impl QuotaBuilder {
         self
     }
 
+    /// What to answer when the backend cannot: see [`BackendDownPolicy`]. Default
+    /// [`FailClosed`](BackendDownPolicy::FailClosed).
+    pub fn when_backend_down(mut self, policy: BackendDownPolicy) -> Self {
+        self.when_down = policy;
+        self
+    }
+
+    /// When the short-circuit opens and how long it stays open; see [`BreakerConfig`].
+    pub fn breaker(mut self, config: BreakerConfig) -> Self {
+        self.breaker = config;
+        self
+    }
+
     /// Where the leases live: a [`RedisBackend`](crate::RedisBackend) for a fleet, or a
     /// [`MemoryBackend`] for one process. Default: the process-wide embedded memory backend.
     pub fn backend(mut self, backend: impl Backend) -> Self {
@@ -165,6 +204,14 @@ impl QuotaBuilder {
                 timing("the cancel marker ttl must be at least the lease ttl".into()).into(),
             );
         }
+        if self.when_down == (BackendDownPolicy::DegradeLocal { share: 0 }) {
+            return Err(timing("DegradeLocal needs a share of at least 1".into()).into());
+        }
+        if self.breaker.failures_to_open == 0 || self.breaker.cool_down.is_zero() {
+            return Err(
+                timing("the breaker needs failures_to_open ≥ 1 and a cool-down".into()).into(),
+            );
+        }
         if self.poll_interval < Duration::from_millis(1) {
             return Err(timing("poll interval must be at least 1 ms".into()).into());
         }
@@ -181,6 +228,8 @@ impl QuotaBuilder {
                 .cancel_marker_ttl
                 .unwrap_or(Duration::from_secs(3600) + self.ttl),
             events: self.events,
+            when_down: self.when_down,
+            breaker: self.breaker,
         };
         Ok(Quota::start(keys, config, backend))
     }

@@ -32,10 +32,13 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
                     lease.mark_lost(LostReason::Cancelled(reason));
                 }
                 // A waiter for that task must learn it too: its next attempt says so.
-                shared.recheck_all();
+                shared.recheck_task(&task_id);
             }
             Ok(QuotaEvent::Resubscribed) | Err(RecvError::Lagged(_)) => shared.recheck_all(),
-            Err(RecvError::Closed) => return,
+            Err(RecvError::Closed) => {
+                shared.stopped_listening();
+                return;
+            }
         }
     }
 }

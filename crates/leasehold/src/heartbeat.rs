@@ -67,17 +67,20 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
         let pairs: Vec<(String, u64)> =
             batch.iter().map(|l| (l.task_id.clone(), l.token)).collect();
         let sent = Instant::now();
-        // Bounded by the interval too: a hung call must not delay the next heartbeat's retry.
+        // Bounded below the interval too: a hung call must be over before the next beat, so
+        // that beat retries instead of being skipped.
         let call = shared
             .backend
             .renew(&shared.keys, shared.config.ttl, &pairs);
-        let reply = match tokio::time::timeout(shared.config.heartbeat, call).await {
+        let bound = shared.config.heartbeat.mul_f64(0.8);
+        let reply = match tokio::time::timeout(bound, call).await {
             Ok(reply) => reply,
             Err(_) => Err(Error::BackendUnavailable(format!(
                 "no renewal reply within the heartbeat interval {:?}",
                 shared.config.heartbeat
             ))),
         };
+        shared.record_backend_result(&reply);
         match reply {
             Ok(outcomes) => {
                 for (lease, outcome) in batch.iter().zip(outcomes) {

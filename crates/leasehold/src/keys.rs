@@ -28,6 +28,11 @@ pub struct QuotaKeys {
     pub fence: String,
     /// Pub/Sub channel for release and cancel events.
     pub events: String,
+    /// HASH: `id` = the current epoch (changes when the quota's state was lost), `detected_ms` =
+    /// when a loss of that epoch's predecessor was detected.
+    pub epoch: String,
+    /// STRING with a TTL: while it exists, new admissions wait (dataset-loss quarantine).
+    pub quarantine: String,
     /// Prefix of the cancel markers: `<prefix><task id>` (STRING, the reason, with a TTL).
     pub cancel_prefix: String,
 }
@@ -43,6 +48,8 @@ impl QuotaKeys {
             holders: format!("{base}:holders"),
             fence: format!("{base}:fence"),
             events: format!("{base}:events"),
+            epoch: format!("{base}:epoch"),
+            quarantine: format!("{base}:quarantine"),
             cancel_prefix: format!("{base}:cancel:"),
         })
     }

@@ -36,6 +36,8 @@ pub(crate) struct LeaseInner {
     lost: watch::Sender<Option<LostReason>>,
     lost_token: CancellationToken,
     release_sent: AtomicBool,
+    /// Granted by the backend-down policy, without the backend.
+    pub(crate) local: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -75,7 +77,31 @@ impl LeaseInner {
             lost: watch::channel(None).0,
             lost_token: CancellationToken::new(),
             release_sent: AtomicBool::new(false),
+            local: false,
         }
+    }
+
+    /// A lease granted without the backend (backend-down policy): token 0, never renewed, never
+    /// lost by expiry; its deadline is informational only.
+    pub(crate) fn local(quota: Arc<Shared>, task_id: &str) -> Self {
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let record = LeaseRecord {
+            task_id: task_id.to_owned(),
+            token: 0,
+            acquired_at_ms: now_ms,
+            deadline_ms: now_ms + quota.config.ttl.as_millis() as u64,
+            now_ms,
+        };
+        let mut inner = LeaseInner::new(quota, &record, Instant::now());
+        inner.local = true;
+        inner
+            .times
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .local_deadline = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+        inner
     }
 
     fn times(&self) -> Times {
@@ -88,6 +114,11 @@ impl LeaseInner {
 
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.borrow().is_some()
+    }
+
+    /// Lost, or past the local deadline even if the renewal task has not noticed yet.
+    fn is_over(&self) -> bool {
+        self.is_lost() || Instant::now() >= self.local_deadline()
     }
 
     /// Records a renewal acknowledged by the backend for a call sent at `sent`.
@@ -122,11 +153,28 @@ impl LeaseInner {
     /// and only while the backend may still hold it (not after it was found gone there).
     pub(crate) fn claim_release(&self) -> bool {
         self.mark_lost(LostReason::Released);
+        if self.local {
+            if !self.release_sent.swap(true, Ordering::AcqRel) {
+                self.quota.local_released();
+            }
+            return false;
+        }
         let may_be_held = matches!(
             *self.lost.borrow(),
             Some(LostReason::Released | LostReason::LocalDeadline | LostReason::Cancelled(_))
         );
-        may_be_held && !self.release_sent.swap(true, Ordering::AcqRel)
+        // A newer handle of this same admission (a re-acquire after this one was lost locally)
+        // owns the slot now: releasing it would free the slot under that handle.
+        let successor = self
+            .quota
+            .lease(&self.task_id)
+            .is_some_and(|other| other.token == self.token && !std::ptr::eq(&*other, self));
+        may_be_held && !successor && !self.release_sent.swap(true, Ordering::AcqRel)
+    }
+
+    /// A release call failed: a later `release` may try again.
+    pub(crate) fn release_failed(&self) {
+        self.release_sent.store(false, Ordering::Release);
     }
 }
 
@@ -190,9 +238,17 @@ impl Lease {
         self.inner.lost.borrow().clone()
     }
 
-    /// True while the lease is held as far as this process knows.
+    /// True for a lease granted by the quota's
+    /// [`BackendDownPolicy`](crate::BackendDownPolicy) while the backend could not answer: it
+    /// counts only in this process, is not renewed and has fencing token 0.
+    pub fn is_local(&self) -> bool {
+        self.inner.local
+    }
+
+    /// True while the lease is held as far as this process knows: not lost, and its local
+    /// deadline not passed.
     pub fn is_held(&self) -> bool {
-        !self.inner.is_lost()
+        !self.inner.is_over()
     }
 
     /// Resolves when the lease is no longer held, with the reason. Resolves at once if it is
@@ -227,8 +283,9 @@ impl Lease {
     /// irreversible step; it reads local state only.
     pub fn ensure_held(&self) -> Result<()> {
         match self.lost_reason() {
-            None => Ok(()),
             Some(reason) => Err(Error::LeaseLost(reason)),
+            None if self.inner.is_over() => Err(Error::LeaseLost(LostReason::LocalDeadline)),
+            None => Ok(()),
         }
     }
 
@@ -236,6 +293,11 @@ impl Lease {
     /// taken until its deadline passes, then any acquire reclaims it. For fault-injection tests
     /// and demonstrations; [`lost`](Self::lost) resolves with [`LostReason::Released`].
     pub fn abandon(self) {
+        if self.inner.local {
+            // Nothing in the backend to leave behind; only the local count.
+            self.inner.claim_release();
+            return;
+        }
         self.inner.release_sent.store(true, Ordering::Release);
         self.inner.mark_lost(LostReason::Released);
     }
@@ -247,10 +309,14 @@ impl Lease {
         if !self.inner.claim_release() {
             return Ok(());
         }
-        self.inner
+        let result = self
+            .inner
             .quota
             .release_in_backend(&self.inner.task_id, Some(self.inner.token))
-            .await
-            .map(|_| ())
+            .await;
+        if result.is_err() {
+            self.inner.release_failed();
+        }
+        result.map(|_| ())
     }
 }

@@ -35,6 +35,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+mod breaker;
 mod config;
 mod error;
 mod events;
@@ -48,7 +49,8 @@ mod waiters;
 pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
 pub use backend::Backend;
-pub use config::{QuotaBuilder, MAX_TTL, MIN_TTL};
+pub use breaker::{BreakerConfig, BreakerMode};
+pub use config::{BackendDownPolicy, QuotaBuilder, MAX_TTL, MIN_TTL};
 pub use error::{Error, LostReason, Misconfiguration, Result};
 pub use keys::{QuotaKeys, MAX_LIMIT, MAX_QUOTA_NAME_BYTES, MAX_TASK_ID_BYTES, PROTOCOL_VERSION};
 pub use lease::Lease;

@@ -1,14 +1,17 @@
 //! [`Quota`]: a handle to one named, fleet-wide concurrency quota.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rand::Rng;
 use tokio::sync::{oneshot, Notify};
+use tokio_util::sync::CancellationToken;
 
 use crate::backend::{AcquireReply, Backend, LeaseRecord};
+use crate::breaker::{Breaker, BreakerMode, Permit};
+use crate::config::BackendDownPolicy;
 use crate::config::{QuotaBuilder, QuotaConfig};
 use crate::error::{Error, Result};
 use crate::keys::{validate_task_id, QuotaKeys};
@@ -59,7 +62,15 @@ pub(crate) struct Shared {
     pub(crate) registry_changed: Arc<Notify>,
     waiters: WaitQueue,
     listening: AtomicBool,
+    /// Cancelled when the last handle of the quota goes: its background tasks stop.
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) breaker: Breaker,
+    /// Leases granted by the backend-down policy and not yet released.
+    local_held: AtomicU32,
 }
+
+/// How long an admission whose caller gave up is kept before it is released (see `attempt`).
+const ORPHAN_GRACE: Duration = Duration::from_secs(2);
 
 /// One holder in a [`Status`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,12 +125,15 @@ impl Quota {
     pub(crate) fn start(keys: QuotaKeys, config: QuotaConfig, backend: Arc<dyn Backend>) -> Quota {
         let shared = Arc::new(Shared {
             keys,
-            config,
             backend,
             registry: Mutex::new(HashMap::new()),
             registry_changed: Arc::new(Notify::new()),
             waiters: WaitQueue::default(),
             listening: AtomicBool::new(false),
+            shutdown: CancellationToken::new(),
+            breaker: Breaker::new(config.breaker),
+            local_held: AtomicU32::new(0),
+            config,
         });
         heartbeat::start(&shared);
         Quota { shared }
@@ -128,6 +142,17 @@ impl Quota {
     /// The quota's name.
     pub fn name(&self) -> &str {
         &self.shared.keys.name
+    }
+
+    /// The state of the quota's short-circuit (closed, open, half-open).
+    pub fn breaker_mode(&self) -> BreakerMode {
+        self.shared.breaker.mode()
+    }
+
+    /// Leases granted in this process by the backend-down policy, without the backend, and not
+    /// yet released.
+    pub fn local_leases(&self) -> u32 {
+        self.shared.local_held.load(Ordering::Acquire)
     }
 
     /// The limit this handle admits up to.
@@ -247,13 +272,20 @@ impl Quota {
         let shared = &self.shared;
         // Only a newcomer to an empty queue (or a task that already holds) may try at once;
         // otherwise it would overtake older waiters.
+        let mut retry_after = shared
+            .waiters
+            .until_expiry()
+            .unwrap_or(shared.config.poll_interval);
         if shared.waiters.is_empty() || shared.holds(task_id) {
-            if let Attempt::Admitted(lease) = self.attempt(task_id).await? {
-                return Ok(lease);
+            match self.attempt(task_id).await? {
+                Attempt::Admitted(lease) => return Ok(lease),
+                Attempt::Full { retry_after: r } => {
+                    retry_after = r;
+                    shared.waiters.note_expiry(Instant::now() + r);
+                }
             }
         }
-        let place = shared.waiters.join();
-        let mut retry_after = Duration::ZERO;
+        let place = shared.waiters.join(task_id);
         loop {
             let sleep = if place.is_head() {
                 self.jitter(shared.config.poll_interval).min(retry_after)
@@ -266,14 +298,19 @@ impl Quota {
                 _ = tokio::time::sleep(sleep) => { place.attempting(); true }
             };
             if !asked {
-                // Promoted to head: re-plan the timer before sleeping again.
-                retry_after = Duration::ZERO;
+                // Promoted to head: arm the expiry timer from the last full reply. Attempting
+                // now would make this waiter busy and let a release skip it for a younger one.
+                retry_after = shared
+                    .waiters
+                    .until_expiry()
+                    .unwrap_or(shared.config.poll_interval);
                 continue;
             }
             match self.attempt(task_id).await? {
                 Attempt::Admitted(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r } => {
                     retry_after = r;
+                    shared.waiters.note_expiry(Instant::now() + r);
                     place.idle();
                 }
             }
@@ -288,6 +325,11 @@ impl Quota {
     /// One admission attempt, run to completion on the leasehold runtime even if the caller stops
     /// waiting: a late admission nobody takes is released at once.
     async fn attempt(&self, task_id: &str) -> Result<Attempt> {
+        if self.shared.breaker.permit() == Permit::Reject {
+            // O(1), no network I/O: the circuit is open.
+            let down = Error::BackendUnavailable("circuit open after repeated failures".into());
+            return self.shared.when_down(task_id, down);
+        }
         let (tx, rx) = oneshot::channel();
         let shared = self.shared.clone();
         let id = task_id.to_owned();
@@ -297,6 +339,7 @@ impl Quota {
                 .backend
                 .acquire(&shared.keys, &id, shared.config.ttl, shared.config.limit)
                 .await;
+            shared.record_backend_result(&reply);
             let outcome = match reply {
                 Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
                     Ok(Attempt::Admitted(shared.adopt(&record, sent)))
@@ -310,11 +353,24 @@ impl Quota {
                         earliest_deadline_ms.saturating_sub(now_ms) + 1,
                     ),
                 }),
+                Ok(AcquireReply::Quarantined { remaining_ms }) => {
+                    tracing::warn!(quota = %shared.keys.name, remaining_ms,
+                        "admissions quarantined: the backend lost the quota's state");
+                    Ok(Attempt::Full {
+                        retry_after: Duration::from_millis(remaining_ms + 1),
+                    })
+                }
                 Ok(AcquireReply::Cancelled { reason }) => Err(Error::Cancelled(reason)),
+                Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
                 Err(e) => Err(e),
             };
-            // If the caller gave up, the unsent lease drops here and releases itself.
-            let _ = tx.send(outcome);
+            if let Err(Ok(Attempt::Admitted(orphan))) = tx.send(outcome) {
+                // The caller gave up. A retry of the same task may still be in flight and come
+                // back `held` with this very lease: keep it (renewed) a while so that retry
+                // shares it, then let it go; its drop releases it.
+                tokio::time::sleep(ORPHAN_GRACE).await;
+                drop(orphan);
+            }
         });
         rx.await.unwrap_or_else(|_| {
             Err(Error::BackendUnavailable(
@@ -332,12 +388,25 @@ impl Quota {
         match self.shared.backend.subscribe(&self.shared.keys).await {
             Ok(events) => {
                 if !self.shared.listening.swap(true, Ordering::AcqRel) {
-                    runtime::spawn(crate::events::listen(Arc::downgrade(&self.shared), events));
+                    let stop = self.shared.shutdown.clone();
+                    let listener = crate::events::listen(Arc::downgrade(&self.shared), events);
+                    runtime::spawn(async move {
+                        tokio::select! {
+                            _ = listener => {}
+                            _ = stop.cancelled() => {}
+                        }
+                    });
                 }
             }
             Err(e) => tracing::debug!(quota = %self.name(), error = %e,
                 "no event subscription yet; waiting relies on timers and polls"),
         }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
     }
 }
 
@@ -349,21 +418,22 @@ impl Shared {
 
     /// The live lease of `task_id` in this process, if any.
     pub(crate) fn lease(&self, task_id: &str) -> Option<Arc<LeaseInner>> {
-        let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        registry
-            .get(task_id)
-            .and_then(Weak::upgrade)
-            .filter(|l| !l.is_lost())
+        // Upgraded handles are dropped only after the guard: a last handle's drop re-enters
+        // the registry (see `forget`).
+        let found = {
+            let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            registry.get(task_id).and_then(Weak::upgrade)
+        };
+        found.filter(|l| !l.is_lost())
     }
 
     /// The live leases in this process.
     pub(crate) fn leases(&self) -> Vec<Arc<LeaseInner>> {
-        let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        registry
-            .values()
-            .filter_map(Weak::upgrade)
-            .filter(|l| !l.is_lost())
-            .collect()
+        let found: Vec<_> = {
+            let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            registry.values().filter_map(Weak::upgrade).collect()
+        };
+        found.into_iter().filter(|l| !l.is_lost()).collect()
     }
 
     /// Wakes one waiter: a slot may have freed.
@@ -376,21 +446,84 @@ impl Shared {
         self.waiters.wake_all();
     }
 
+    /// Wakes the waiters of `task_id` only: it was cancelled, and its next attempt says so.
+    pub(crate) fn recheck_task(&self, task_id: &str) {
+        self.waiters.wake_task(task_id);
+    }
+
+    /// The event subscription ended (it failed, or the backend dropped it): the next acquire
+    /// subscribes again.
+    pub(crate) fn stopped_listening(&self) {
+        self.listening.store(false, Ordering::Release);
+    }
+
     /// Returns a handle to the lease the backend just reported, sharing the live one of this
     /// process when it is the same admission.
     fn adopt(self: &Arc<Self>, record: &LeaseRecord, sent: Instant) -> Lease {
         let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(live) = registry.get(&record.task_id).and_then(Weak::upgrade) {
+        let live = registry.get(&record.task_id).and_then(Weak::upgrade);
+        if let Some(live) = live.as_ref() {
             if live.token == record.token && !live.is_lost() {
                 live.renewed(record.deadline_ms, sent);
-                return Lease::from_inner(live);
+                let shared = live.clone();
+                drop(registry);
+                return Lease::from_inner(shared);
             }
         }
         let inner = Arc::new(LeaseInner::new(self.clone(), record, sent));
         registry.insert(record.task_id.clone(), Arc::downgrade(&inner));
         drop(registry);
+        // `live` may be the last handle of a stale admission: its drop needs the registry.
+        drop(live);
         self.registry_changed.notify_one();
         Lease::from_inner(inner)
+    }
+
+    /// Feeds the short-circuit with the outcome of a backend call.
+    pub(crate) fn record_backend_result<T>(&self, result: &Result<T>) {
+        match result {
+            Err(Error::BackendUnavailable(_)) => self.breaker.failure(),
+            _ => self.breaker.success(),
+        }
+    }
+
+    /// Answers an admission the backend could not decide, by the quota's policy.
+    fn when_down(self: &Arc<Self>, task_id: &str, down: Error) -> Result<Attempt> {
+        let retry_after = self.config.breaker.cool_down;
+        match self.config.when_down {
+            BackendDownPolicy::FailClosed => Err(down),
+            BackendDownPolicy::FailOpen => Ok(Attempt::Admitted(self.local_lease(task_id))),
+            BackendDownPolicy::DegradeLocal { share } => {
+                let took = self
+                    .local_held
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                        (held < share).then_some(held + 1)
+                    })
+                    .is_ok();
+                if took {
+                    Ok(Attempt::Admitted(self.local_lease_counted(task_id)))
+                } else {
+                    Ok(Attempt::Full { retry_after })
+                }
+            }
+        }
+    }
+
+    fn local_lease(self: &Arc<Self>, task_id: &str) -> Lease {
+        self.local_held.fetch_add(1, Ordering::AcqRel);
+        self.local_lease_counted(task_id)
+    }
+
+    /// A lease granted without the backend, already counted in `local_held`.
+    fn local_lease_counted(self: &Arc<Self>, task_id: &str) -> Lease {
+        tracing::warn!(quota = %self.keys.name, task_id, policy = ?self.config.when_down,
+            "backend unavailable: lease granted locally");
+        Lease::from_inner(Arc::new(LeaseInner::local(self.clone(), task_id)))
+    }
+
+    /// A local lease was released.
+    pub(crate) fn local_released(&self) {
+        self.local_held.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Removes `lease` from the registry if it is the entry for its task id.

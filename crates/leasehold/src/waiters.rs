@@ -9,16 +9,21 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
 #[derive(Debug, Default)]
 pub(crate) struct WaitQueue {
     queue: Mutex<VecDeque<Arc<Waiter>>>,
+    /// When the earliest lease is due to expire, as the last full reply said: a newly promoted
+    /// head arms its timer from it instead of asking the backend again.
+    next_expiry: Mutex<Option<Instant>>,
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Waiter {
+    task_id: String,
     notify: Notify,
     /// Set by a wake-up that asks this waiter to attempt; cleared when it takes it.
     attempt: AtomicBool,
@@ -37,14 +42,28 @@ impl WaitQueue {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Records when the earliest lease expires (from a full reply).
+    pub(crate) fn note_expiry(&self, at: Instant) {
+        *self.next_expiry.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);
+    }
+
+    /// Time until the earliest known expiry, if one is known.
+    pub(crate) fn until_expiry(&self) -> Option<Duration> {
+        let at = *self.next_expiry.lock().unwrap_or_else(|e| e.into_inner());
+        at.map(|at| at.saturating_duration_since(Instant::now()))
+    }
+
     /// True when nobody waits, so a newcomer may try without jumping the queue.
     pub(crate) fn is_empty(&self) -> bool {
         self.lock().is_empty()
     }
 
-    /// Joins the back of the queue.
-    pub(crate) fn join(&self) -> Place<'_> {
-        let waiter = Arc::new(Waiter::default());
+    /// Joins the back of the queue, waiting for `task_id`.
+    pub(crate) fn join(&self, task_id: &str) -> Place<'_> {
+        let waiter = Arc::new(Waiter {
+            task_id: task_id.to_owned(),
+            ..Waiter::default()
+        });
         self.lock().push_back(waiter.clone());
         Place {
             queue: self,
@@ -69,6 +88,14 @@ impl WaitQueue {
     /// Something may have been missed (lagging events, a resubscription): everyone re-checks.
     pub(crate) fn wake_all(&self) {
         for w in self.lock().iter() {
+            w.attempt.store(true, Ordering::Release);
+            w.notify.notify_one();
+        }
+    }
+
+    /// The waiters for `task_id` re-check (the task was cancelled); the others keep their turn.
+    pub(crate) fn wake_task(&self, task_id: &str) {
+        for w in self.lock().iter().filter(|w| w.task_id == task_id) {
             w.attempt.store(true, Ordering::Release);
             w.notify.notify_one();
         }
@@ -138,8 +165,8 @@ mod tests {
     #[tokio::test]
     async fn wake_one_goes_to_the_oldest_idle_waiter() {
         let q = WaitQueue::default();
-        let a = q.join();
-        let b = q.join();
+        let a = q.join("t");
+        let b = q.join("t");
         assert!(a.is_head() && !b.is_head());
         q.wake_one();
         assert!(a.woken().await, "the oldest waiter is asked to attempt");
@@ -156,7 +183,7 @@ mod tests {
     #[tokio::test]
     async fn wake_ups_while_all_are_busy_are_kept_by_the_head() {
         let q = WaitQueue::default();
-        let a = q.join();
+        let a = q.join("t");
         q.wake_one();
         assert!(a.woken().await);
         q.wake_one(); // arrives while `a` attempts
@@ -170,8 +197,8 @@ mod tests {
     #[tokio::test]
     async fn an_unused_wake_up_is_passed_on() {
         let q = WaitQueue::default();
-        let a = q.join();
-        let b = q.join();
+        let a = q.join("t");
+        let b = q.join("t");
         q.wake_one();
         drop(a); // leaves (timeout) holding an unused wake-up
         assert!(b.woken().await);

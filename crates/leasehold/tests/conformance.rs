@@ -20,6 +20,7 @@ conformance!(
     expired_lease_is_never_resurrected_by_a_renewal,
     holder_learns_at_once_when_released_elsewhere,
     holder_learns_from_renewal_when_its_lease_vanished,
+    dataset_loss_quarantines_admissions_while_holders_re_register,
     acquire_is_idempotent_under_retry_even_at_full_capacity,
     stale_token_cannot_renew_or_release_the_successor,
     waiter_is_woken_by_a_release_not_by_polling,
@@ -174,9 +175,15 @@ async fn holder_learns_at_once_when_released_elsewhere(fx: Fixture) {
 
 async fn holder_learns_from_renewal_when_its_lease_vanished(fx: Fixture) {
     let heartbeat = Duration::from_millis(150);
-    let quota = fx.builder(2, TTL).heartbeat(heartbeat).build().unwrap();
+    // No subscription: the release event never reaches this holder; only a renewal can tell.
+    let quota = fx
+        .builder(2, TTL)
+        .heartbeat(heartbeat)
+        .events(false)
+        .build()
+        .unwrap();
     let lease = quota.try_acquire("h").await.unwrap();
-    fx.wipe(); // no event is published: only the renewal can tell
+    assert!(fx.backend.release(&fx.keys(), "h", None).await.unwrap());
     let started = Instant::now();
     let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
         .await
@@ -188,6 +195,33 @@ async fn holder_learns_from_renewal_when_its_lease_vanished(fx: Fixture) {
         "noticed by a renewal, before the local deadline"
     );
     assert!(lease.ensure_held().is_err());
+}
+
+async fn dataset_loss_quarantines_admissions_while_holders_re_register(fx: Fixture) {
+    let heartbeat = Duration::from_millis(150);
+    let quota = fx.builder(2, TTL).heartbeat(heartbeat).build().unwrap();
+    let old = quota.try_acquire("old").await.unwrap();
+    fx.wipe(); // the store forgets everything, as a restart without persistence does
+    let lost_at = Instant::now();
+    tokio::time::sleep(heartbeat * 2).await; // the holder's renewals reach the new epoch
+    assert!(old.is_held(), "{:?}", old.lost_reason());
+    let status = quota.status().await.unwrap();
+    assert_eq!(status.holders.len(), 1, "the old holder re-registered");
+    assert_eq!(status.holders[0].fencing_token, old.fencing_token());
+    assert!(
+        matches!(quota.try_acquire("new").await, Err(Error::Full { .. })),
+        "no new admission during the quarantine, though a slot looks free"
+    );
+    let new = quota.acquire_timeout("new", TTL * 3).await.unwrap();
+    let after = lost_at.elapsed();
+    println!("first admission {after:?} after the dataset loss (ttl {TTL:?})");
+    assert!(after >= TTL, "{after:?}");
+    assert!(
+        new.fencing_token() > old.fencing_token(),
+        "tokens keep increasing"
+    );
+    assert!(old.is_held());
+    assert_eq!(quota.status().await.unwrap().holders.len(), 2);
 }
 
 async fn acquire_is_idempotent_under_retry_even_at_full_capacity(fx: Fixture) {

@@ -187,8 +187,11 @@ async fn scripts_are_reloaded_after_flush_and_restart() {
     let lease = loop {
         match quota.try_acquire("c").await {
             Ok(lease) => break lease,
-            Err(Error::BackendUnavailable(e)) if Instant::now() < end => {
-                println!("while reconnecting: {e}");
+            // Reconnecting, then quarantined: the restart erased the epoch this client saw.
+            Err(e @ (Error::BackendUnavailable(_) | Error::Full { .. }))
+                if Instant::now() < end =>
+            {
+                println!("after the restart: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => panic!("{e:?}"),
@@ -333,4 +336,42 @@ async fn works_over_tls_with_a_private_ca_and_refuses_an_unknown_one() {
     lease.release().await.unwrap();
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_timed_out_acquire_keeps_the_slot_the_late_reply_took() {
+    let server = RedisServer::start();
+    let ttl = Duration::from_secs(30);
+    let quota = quota_on(&server, "retry", 1, ttl).await;
+    let other = quota_on(&server, "retry", 1, ttl).await;
+    quota
+        .try_acquire("warm")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    server.pause(); // the first attempt's reply will come late
+    let err = quota
+        .acquire_timeout("t", Duration::from_millis(100))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::TimedOut { .. }), "{err:?}");
+    let retrying = {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.acquire_timeout("t", Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.resume(); // both attempts run: `acquired`, then `held` with the same token
+    let lease = retrying.await.unwrap().unwrap();
+    // Past the grace during which the abandoned admission waits for a retry to share it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    let status = quota.status().await.unwrap();
+    assert_eq!(status.holders.len(), 1);
+    assert_eq!(status.holders[0].fencing_token, lease.fencing_token());
+    assert!(matches!(
+        other.try_acquire("intruder").await,
+        Err(Error::Full { .. })
+    ));
 }

@@ -25,12 +25,43 @@ pub struct MemoryBackend {
     quotas: Mutex<HashMap<String, QuotaState>>,
 }
 
+/// Epochs, as the Redis protocol keeps them: the store's (lost with the data) and the one its
+/// client last saw (kept by the client), so a [`MemoryBackend::wipe`] is detected the same way.
+#[derive(Debug, Default)]
+struct Epochs {
+    next: u64,
+    store: Option<u64>,
+    seen: Option<u64>,
+    loss_detected: bool,
+    quarantine_until_ms: u64,
+}
+
+impl Epochs {
+    /// Compares the store's epoch with the last one seen; returns true if the state was lost
+    /// since, starting the quarantine once per epoch.
+    fn check(&mut self, now: u64, ttl_ms: u64) -> bool {
+        let stale = self.seen.is_some() && self.seen != self.store;
+        if self.store.is_none() {
+            self.next += 1;
+            self.store = Some(self.next);
+            self.loss_detected = false;
+        }
+        if stale && !self.loss_detected {
+            self.loss_detected = true;
+            self.quarantine_until_ms = now + ttl_ms;
+        }
+        self.seen = self.store;
+        stale
+    }
+}
+
 #[derive(Debug)]
 struct QuotaState {
     fence: u64,
     leases: HashMap<String, Stored>,
     /// Cancel markers: task id -> (reason, expiry in backend ms).
     cancelled: HashMap<String, (String, u64)>,
+    epochs: Epochs,
     events: broadcast::Sender<QuotaEvent>,
 }
 
@@ -78,6 +109,8 @@ impl MemoryBackend {
             state.leases.clear();
             state.cancelled.clear();
             state.fence = 0;
+            state.epochs.store = None;
+            state.epochs.quarantine_until_ms = 0;
         }
     }
 
@@ -91,6 +124,7 @@ impl MemoryBackend {
             fence: 0,
             leases: HashMap::new(),
             cancelled: HashMap::new(),
+            epochs: Epochs::default(),
             events: broadcast::channel(EVENT_CAPACITY).0,
         });
         let now = self.now_ms();
@@ -119,6 +153,7 @@ impl Backend for MemoryBackend {
     ) -> Result<AcquireReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
+            q.epochs.check(now, ttl_ms);
             if let Some(reason) = q.cancel_reason(task_id, now) {
                 return AcquireReply::Cancelled { reason };
             }
@@ -126,6 +161,11 @@ impl Backend for MemoryBackend {
             if let Some(s) = q.leases.get_mut(task_id) {
                 s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
                 return AcquireReply::Held(record(task_id, *s, now));
+            }
+            if q.epochs.quarantine_until_ms > now {
+                return AcquireReply::Quarantined {
+                    remaining_ms: q.epochs.quarantine_until_ms - now,
+                };
             }
             if q.leases.len() < limit as usize {
                 q.fence += 1;
@@ -153,10 +193,21 @@ impl Backend for MemoryBackend {
     ) -> Result<Vec<RenewOutcome>> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
+            let reregister = q.epochs.check(now, ttl_ms) && q.epochs.quarantine_until_ms > now;
             leases
                 .iter()
                 .map(|(id, token)| {
                     let cancelled = q.cancel_reason(id, now);
+                    if reregister && !q.leases.contains_key(id) {
+                        // Forgotten by the loss, not expired: the holder re-registers.
+                        q.fence = q.fence.max(*token);
+                        let s = Stored {
+                            token: *token,
+                            acquired_at_ms: now,
+                            deadline_ms: now + ttl_ms,
+                        };
+                        q.leases.insert(id.clone(), s);
+                    }
                     match q.leases.get_mut(id) {
                         Some(s) if s.deadline_ms <= now => {
                             q.leases.remove(id);

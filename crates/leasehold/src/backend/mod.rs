@@ -26,6 +26,13 @@ pub enum AcquireReply {
         /// The canceller's reason.
         reason: String,
     },
+    /// New admissions wait: the quota's state was lost (a restart without persistence, a
+    /// failover to a lagging replica) while leases may still run; their holders re-register
+    /// through their renewals during this quarantine.
+    Quarantined {
+        /// How long the quarantine still lasts, in milliseconds.
+        remaining_ms: u64,
+    },
     /// No slot is free.
     Full {
         /// Backend time of the attempt, in milliseconds.

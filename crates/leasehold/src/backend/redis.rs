@@ -67,6 +67,9 @@ struct Inner {
     options: RedisOptions,
     /// Channel name -> sender of that quota's events.
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
+    /// Quota name -> the last epoch the server reported: sent with every acquire and renew so
+    /// the server can tell that it lost the quota's state (protocol §3).
+    epochs: Mutex<HashMap<String, String>>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -137,6 +140,7 @@ impl RedisBackend {
                 conn,
                 options: connect_options,
                 channels: Mutex::new(HashMap::new()),
+                epochs: Mutex::new(HashMap::new()),
             });
             tokio::spawn(dispatch_pushes(Arc::downgrade(&inner), push_rx));
             let backend = RedisBackend { inner };
@@ -264,7 +268,12 @@ fn map_error(e: RedisError, quota: &str) -> Error {
         ErrorKind::Parse | ErrorKind::UnexpectedReturnType => {
             Misconfiguration::Protocol(text).into()
         }
-        ErrorKind::Server(ServerErrorKind::CrossSlot) => Misconfiguration::Protocol(text).into(),
+        ErrorKind::Server(
+            ServerErrorKind::CrossSlot | ServerErrorKind::Moved | ServerErrorKind::Ask,
+        ) => Misconfiguration::Protocol(format!(
+            "{text} (a Redis Cluster node: leasehold v1 needs a standalone server)"
+        ))
+        .into(),
         _ => Error::BackendUnavailable(text),
     }
 }
@@ -291,11 +300,32 @@ fn text(v: Option<&Value>) -> Result<String> {
 fn lease_record(task_id: &str, reply: &[Value]) -> Result<LeaseRecord> {
     Ok(LeaseRecord {
         task_id: task_id.to_owned(),
-        token: int(reply.get(1))?,
-        acquired_at_ms: int(reply.get(2))?,
-        deadline_ms: int(reply.get(3))?,
-        now_ms: int(reply.get(4))?,
+        token: int(reply.get(2))?,
+        acquired_at_ms: int(reply.get(3))?,
+        deadline_ms: int(reply.get(4))?,
+        now_ms: int(reply.get(5))?,
     })
+}
+
+impl RedisBackend {
+    fn epoch(&self, quota: &str) -> String {
+        let epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
+        epochs.get(quota).cloned().unwrap_or_default()
+    }
+
+    fn saw_epoch(&self, quota: &str, epoch: Option<&Value>) -> Result<()> {
+        let epoch = text(epoch)?;
+        let mut epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
+        if epochs.get(quota).is_some_and(|known| *known != epoch) {
+            tracing::warn!(
+                quota,
+                epoch,
+                "the quota's state was lost and recreated (new epoch)"
+            );
+        }
+        epochs.insert(quota.to_owned(), epoch);
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -316,23 +346,30 @@ impl Backend for RedisBackend {
                     keys.holders.clone(),
                     keys.fence.clone(),
                     keys.cancel(task_id),
+                    keys.epoch.clone(),
+                    keys.quarantine.clone(),
                 ],
                 vec![
                     task_id.to_owned(),
                     ttl.as_millis().to_string(),
                     limit.to_string(),
+                    self.epoch(&keys.name),
                 ],
             )
             .await?;
+        self.saw_epoch(&keys.name, reply.get(1))?;
         match int(reply.first())? {
             1 => Ok(AcquireReply::Acquired(lease_record(task_id, &reply)?)),
             2 => Ok(AcquireReply::Held(lease_record(task_id, &reply)?)),
             3 => Ok(AcquireReply::Cancelled {
-                reason: text(reply.get(1))?,
+                reason: text(reply.get(2))?,
+            }),
+            4 => Ok(AcquireReply::Quarantined {
+                remaining_ms: int(reply.get(2))?,
             }),
             0 => Ok(AcquireReply::Full {
-                earliest_deadline_ms: int(reply.get(1))?,
-                now_ms: int(reply.get(2))?,
+                earliest_deadline_ms: int(reply.get(2))?,
+                now_ms: int(reply.get(3))?,
             }),
             other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
         }
@@ -347,18 +384,25 @@ impl Backend for RedisBackend {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        let mut args = Vec::with_capacity(1 + 2 * leases.len());
+        let mut args = Vec::with_capacity(2 + 2 * leases.len());
         args.push(ttl.as_millis().to_string());
+        args.push(self.epoch(&keys.name));
         for (id, token) in leases {
             args.push(id.clone());
             args.push(token.to_string());
         }
-        let mut renew_keys = vec![keys.leases.clone(), keys.holders.clone()];
+        let mut renew_keys = vec![
+            keys.leases.clone(),
+            keys.holders.clone(),
+            keys.fence.clone(),
+            keys.epoch.clone(),
+            keys.quarantine.clone(),
+        ];
         renew_keys.extend(leases.iter().map(|(id, _)| keys.cancel(id)));
         let reply = self
             .invoke(keys.name.clone(), &RENEW, renew_keys, args)
             .await?;
-        if reply.len() != 1 + 2 * leases.len() {
+        if reply.len() != 2 + 2 * leases.len() {
             return Err(Misconfiguration::Protocol(format!(
                 "renew replied {} values for {} leases",
                 reply.len(),
@@ -366,7 +410,8 @@ impl Backend for RedisBackend {
             ))
             .into());
         }
-        reply[1..]
+        self.saw_epoch(&keys.name, reply.get(1))?;
+        reply[2..]
             .chunks(2)
             .map(|pair| match int(pair.first())? {
                 1 => Ok(RenewOutcome::Renewed {

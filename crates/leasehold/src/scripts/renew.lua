@@ -1,20 +1,37 @@
 -- leasehold protocol v1: renew (heartbeat) many leases in one call
--- KEYS[1] leases   KEYS[2] holders   KEYS[2+k] cancel marker of the k-th task id
--- ARGV[1] ttl ms, then pairs: ARGV[2k] task id, ARGV[2k+1] fencing token
--- Reply: {now_ms, code_1, value_1, code_2, value_2, ...} in argument order, where
+-- KEYS[1] leases   KEYS[2] holders   KEYS[3] fence   KEYS[4] epoch   KEYS[5] quarantine
+-- KEYS[5+k] cancel marker of the k-th task id
+-- ARGV[1] ttl ms   ARGV[2] the epoch the caller last saw, or ''
+-- then pairs: ARGV[2k+1] task id, ARGV[2k+2] fencing token
+-- Reply: {now_ms, epoch, code_1, value_1, code_2, value_2, ...} in argument order, where
 --   code 1 = renewed (value = new deadline), 0 = gone, 2 = superseded (another token holds it),
 --   3 = cancelled (value = the reason; the lease is still held but not extended).
--- A lease that no longer exists is never re-created: that would over-admit.
+-- A lease that no longer exists is never re-created: that would over-admit. The one exception is
+-- a caller from before a dataset loss, during the quarantine that loss started: its leases were
+-- forgotten, not expired, and re-registering them is how the quota learns who still runs.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
-local out = {now}
+
+local epoch = redis.call('HGET', KEYS[4], 'id')
+local stale = ARGV[2] ~= '' and ARGV[2] ~= epoch
+if not epoch then
+  epoch = t[1] .. '.' .. t[2]
+  redis.call('HSET', KEYS[4], 'id', epoch)
+end
+if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
+  redis.call('SET', KEYS[5], epoch, 'PX', ttl)
+end
+local reregister = stale and redis.call('PTTL', KEYS[5]) > 0
+
+local out = {now, epoch}
 local k = 0
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   k = k + 1
   local id, token = ARGV[i], ARGV[i + 1]
   local score = redis.call('ZSCORE', KEYS[1], id)
   local meta = redis.call('HGET', KEYS[2], id)
+  local cancelled = redis.call('GET', KEYS[5 + k])
   local code, value = 0, 0
   if score and tonumber(score) <= now then
     -- Expired but not reaped yet: reap it now so it cannot be mistaken for a holder.
@@ -22,7 +39,6 @@ for i = 2, #ARGV, 2 do
     redis.call('HDEL', KEYS[2], id)
   elseif score and meta then
     local sep = string.find(meta, ':', 1, true)
-    local cancelled = redis.call('GET', KEYS[2 + k])
     if string.sub(meta, 1, sep - 1) ~= token then
       code = 2
     elseif cancelled then
@@ -31,6 +47,18 @@ for i = 2, #ARGV, 2 do
       value = math.max(tonumber(score), now + ttl)
       redis.call('ZADD', KEYS[1], 'XX', value, id)
       code = 1
+    end
+  elseif reregister and not score and not meta then
+    value = now + ttl
+    redis.call('ZADD', KEYS[1], value, id)
+    redis.call('HSET', KEYS[2], id, token .. ':' .. string.format('%d', now))
+    -- Tokens issued after the loss must still exceed every token in use.
+    if tonumber(redis.call('GET', KEYS[3]) or '0') < tonumber(token) then
+      redis.call('SET', KEYS[3], token)
+    end
+    code = 1
+    if cancelled then
+      code, value = 3, cancelled
     end
   end
   out[#out + 1] = code

@@ -1,0 +1,153 @@
+//! The short-circuit: after consecutive backend failures, stop calling the backend for a
+//! cool-down, so callers are answered at once instead of each waiting out a timeout.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+
+/// The circuit's state, as [`Quota::breaker_mode`](crate::Quota::breaker_mode) reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerMode {
+    /// Calls go to the backend.
+    Closed,
+    /// The backend failed repeatedly: acquires are answered by the
+    /// [`BackendDownPolicy`](crate::BackendDownPolicy) without any network I/O until the
+    /// cool-down ends.
+    Open,
+    /// The cool-down ended: one probe call goes to the backend; its outcome closes or reopens
+    /// the circuit.
+    HalfOpen,
+}
+
+/// When the circuit opens and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Consecutive transient failures (errors or timeouts) that open the circuit. Default 3.
+    pub failures_to_open: u32,
+    /// How long the circuit stays open before a probe, jittered between half and one and a half
+    /// of it so that a fleet does not reconnect in lockstep. Default 1 s.
+    pub cool_down: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            failures_to_open: 3,
+            cool_down: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What the breaker allows for the next call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Permit {
+    /// Call the backend.
+    Call,
+    /// Do not call: the circuit is open (or a probe is already out).
+    Reject,
+}
+
+#[derive(Debug)]
+pub(crate) struct Breaker {
+    config: BreakerConfig,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    failures: u32,
+    open_until: Option<Instant>,
+    probing: bool,
+}
+
+impl Breaker {
+    pub(crate) fn new(config: BreakerConfig) -> Self {
+        Breaker {
+            config,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn mode(&self) -> BreakerMode {
+        let state = self.lock();
+        match state.open_until {
+            None => BreakerMode::Closed,
+            Some(until) if Instant::now() < until => BreakerMode::Open,
+            Some(_) => BreakerMode::HalfOpen,
+        }
+    }
+
+    /// Whether the next call may go to the backend. After the cool-down, exactly one caller
+    /// gets through as the probe.
+    pub(crate) fn permit(&self) -> Permit {
+        let mut state = self.lock();
+        match state.open_until {
+            None => Permit::Call,
+            Some(until) if Instant::now() < until || state.probing => Permit::Reject,
+            Some(_) => {
+                state.probing = true;
+                Permit::Call
+            }
+        }
+    }
+
+    pub(crate) fn success(&self) {
+        let mut state = self.lock();
+        if state.open_until.is_some() {
+            tracing::info!("backend answers again: circuit closed");
+        }
+        *state = State::default();
+    }
+
+    pub(crate) fn failure(&self) {
+        let mut state = self.lock();
+        state.failures += 1;
+        if state.probing || state.failures >= self.config.failures_to_open {
+            if state.open_until.is_none() {
+                tracing::warn!(failures = state.failures, "backend failing: circuit open");
+            }
+            let jittered = self
+                .config
+                .cool_down
+                .mul_f64(rand::rng().random_range(0.5..1.5));
+            state.open_until = Some(Instant::now() + jittered);
+            state.probing = false;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_after_consecutive_failures_and_probes_once_after_the_cool_down() {
+        let b = Breaker::new(BreakerConfig {
+            failures_to_open: 2,
+            cool_down: Duration::from_millis(20),
+        });
+        b.failure();
+        assert_eq!(b.mode(), BreakerMode::Closed);
+        b.success(); // not consecutive
+        b.failure();
+        b.failure();
+        assert_eq!(b.mode(), BreakerMode::Open);
+        assert_eq!(b.permit(), Permit::Reject);
+        std::thread::sleep(Duration::from_millis(40)); // > 1.5 x cool-down
+        assert_eq!(b.mode(), BreakerMode::HalfOpen);
+        assert_eq!(b.permit(), Permit::Call, "one probe");
+        assert_eq!(b.permit(), Permit::Reject, "only one");
+        b.failure(); // the probe failed
+        assert_eq!(b.mode(), BreakerMode::Open);
+        std::thread::sleep(Duration::from_millis(40));
+        assert_eq!(b.permit(), Permit::Call);
+        b.success();
+        assert_eq!(b.mode(), BreakerMode::Closed);
+        assert_eq!(b.permit(), Permit::Call);
+    }
+}

@@ -1,0 +1,350 @@
+//! The independent checker: from the workers' own intervals of protected work and the test's
+//! record of what it injected (never from the library's state), the figures of one phase and the
+//! invariants they must meet.
+
+use std::time::Duration;
+
+use super::model::{Interval, Ns, Window, MS};
+use super::phase::PhaseRecord;
+use super::record::{Line, WorkerLog};
+
+/// A grant already on its way when a cut started may still start work this long after it.
+pub const GRACE: Ns = 50 * MS;
+
+/// The figures of one phase.
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    /// Intervals by outcome.
+    pub completed: usize,
+    /// Lost leases (expired, local deadline, superseded...).
+    pub lost: usize,
+    /// Cancelled work.
+    pub cancelled: usize,
+    /// Work ended by SIGKILL.
+    pub killed: usize,
+    /// Work with no end and no kill: a checker error.
+    pub open: usize,
+    /// Completed work per worker slot.
+    pub per_worker: Vec<usize>,
+    /// Most intervals running at one instant.
+    pub max_running: usize,
+    /// Time above the limit, ms.
+    pub over_ms: f64,
+    /// Longest single stretch above the limit, ms.
+    pub worst_over_ms: f64,
+    /// Time above the limit outside every allowed window, ms: must be 0.
+    pub unexplained_over_ms: f64,
+    /// Per kill: ms from the kill until `limit` workers ran again.
+    pub reuse_ms: Vec<f64>,
+    /// Per cancel that hit running work: ms from the cancel call to the end of that work.
+    pub cancel_ms: Vec<f64>,
+    /// Cancels whose work ended otherwise first (nothing to measure).
+    pub cancel_missed: usize,
+    /// Work started inside an outage or by an isolated worker inside its isolation.
+    pub admissions_cut: usize,
+    /// Per holder caught by an outage or isolation: ms from the cut to the end of its work.
+    pub cut_to_stop_ms: Vec<f64>,
+    /// Per paused holder: ms from SIGCONT to the end of its work.
+    pub resume_to_stop_ms: Vec<f64>,
+    /// Work started after the last fault was lifted.
+    pub after_lift: usize,
+    /// Work completed while the library still said "held" after the local deadline.
+    pub stale: usize,
+    /// Failed calls the workers logged.
+    pub errors: usize,
+}
+
+fn ms(ns: Ns) -> f64 {
+    ns as f64 / MS as f64
+}
+
+/// The number running, as steps `(t, count from t on)`, ends before starts at the same instant.
+fn steps(intervals: &[&Interval]) -> Vec<(Ns, usize)> {
+    let mut edges: Vec<(Ns, i64)> = intervals
+        .iter()
+        .flat_map(|i| [(i.start, 1), (i.end, -1)])
+        .collect();
+    edges.sort();
+    let mut out: Vec<(Ns, usize)> = Vec::new();
+    let mut count = 0i64;
+    for (t, delta) in edges {
+        count += delta;
+        match out.last_mut() {
+            Some(last) if last.0 == t => last.1 = count as usize,
+            _ => out.push((t, count as usize)),
+        }
+    }
+    out
+}
+
+/// Length of `w` covered by the union of `windows`.
+fn covered(w: Window, windows: &[Window]) -> Ns {
+    let mut parts: Vec<Window> = windows
+        .iter()
+        .map(|a| Window::new(a.start.max(w.start), a.end.min(w.end)))
+        .filter(|a| a.start < a.end)
+        .collect();
+    parts.sort_by_key(|a| a.start);
+    let (mut total, mut reach) = (0, w.start);
+    for p in parts {
+        let from = p.start.max(reach);
+        if p.end > from {
+            total += p.end - from;
+            reach = p.end;
+        }
+    }
+    total
+}
+
+/// Computes one phase's figures from all intervals and logs.
+pub fn check(
+    record: &PhaseRecord,
+    all: &[Interval],
+    logs: &[WorkerLog],
+    workers: usize,
+    limit: usize,
+) -> Stats {
+    let within: Vec<&Interval> = all
+        .iter()
+        .filter(|i| record.window.contains(i.start))
+        .collect();
+    let mut s = Stats {
+        per_worker: vec![0; workers],
+        ..Stats::default()
+    };
+    for i in &within {
+        match i.outcome.as_str() {
+            "completed" => {
+                s.completed += 1;
+                s.per_worker[i.worker] += 1;
+            }
+            "cancelled" => s.cancelled += 1,
+            "killed" => s.killed += 1,
+            "open" => s.open += 1,
+            _ => s.lost += 1,
+        }
+    }
+    s.after_lift = within
+        .iter()
+        .filter(|i| i.start >= record.faults_lifted)
+        .count();
+    over_limit(&mut s, record, &within, limit);
+    reuse(&mut s, record, &within, limit);
+    cuts(&mut s, record, &within);
+    for c in &record.cancels {
+        match within.iter().find(|i| i.id == c.id) {
+            Some(i) if i.outcome == "cancelled" => s.cancel_ms.push(ms(i.end.saturating_sub(c.at))),
+            _ => s.cancel_missed += 1,
+        }
+    }
+    let span = Window::new(record.window.start, record.window.end + 30_000 * MS);
+    for line in logs.iter().flat_map(|l| &l.lines) {
+        match line {
+            Line::Stale { at } if span.contains(*at) => s.stale += 1,
+            Line::Error { at, .. } if record.window.contains(*at) => s.errors += 1,
+            _ => {}
+        }
+    }
+    s
+}
+
+fn over_limit(s: &mut Stats, record: &PhaseRecord, within: &[&Interval], limit: usize) {
+    let allowed: Vec<Window> = record.allowed.iter().map(|(w, _)| *w).collect();
+    let steps = steps(within);
+    let mut episode: Option<Ns> = None;
+    for pair in steps.windows(2) {
+        let ((t, count), (next, _)) = (pair[0], pair[1]);
+        s.max_running = s.max_running.max(count);
+        if count > limit {
+            let piece = Window::new(t, next);
+            s.over_ms += ms(next - t);
+            s.unexplained_over_ms += ms((next - t) - covered(piece, &allowed));
+            episode.get_or_insert(t);
+        } else if let Some(from) = episode.take() {
+            s.worst_over_ms = s.worst_over_ms.max(ms(t - from));
+        }
+    }
+}
+
+fn reuse(s: &mut Stats, record: &PhaseRecord, within: &[&Interval], limit: usize) {
+    let steps = steps(within);
+    for kill in &record.kills {
+        let held = within.iter().any(|i| {
+            i.worker == kill.worker && i.generation == kill.generation && i.outcome == "killed"
+        });
+        if !held {
+            continue;
+        }
+        if let Some((t, _)) = steps.iter().find(|(t, c)| *t > kill.at && *c >= limit) {
+            s.reuse_ms.push(ms(t - kill.at));
+        }
+    }
+}
+
+fn cuts(s: &mut Stats, record: &PhaseRecord, within: &[&Interval]) {
+    let everyone: Vec<(Option<usize>, Window, bool)> = record
+        .outages
+        .iter()
+        .map(|(w, must_stop)| (None, *w, *must_stop))
+        .chain(record.isolated.iter().map(|(k, w)| (Some(*k), *w, true)))
+        .collect();
+    for (who, w, must_stop) in everyone {
+        let concerned = within.iter().filter(|i| who.is_none_or(|k| i.worker == k));
+        for i in concerned {
+            if i.start > w.start + GRACE && i.start < w.end {
+                s.admissions_cut += 1;
+            }
+            if must_stop && i.start <= w.start && i.end > w.start {
+                s.cut_to_stop_ms.push(ms(i.end - w.start));
+            }
+        }
+    }
+    for (k, w) in &record.paused {
+        for i in within.iter().filter(|i| i.worker == *k) {
+            if i.start <= w.start && i.end >= w.end {
+                s.resume_to_stop_ms.push(ms(i.end - w.end));
+            }
+        }
+    }
+}
+
+/// The invariants one phase must meet; each broken one is a message.
+pub fn violations(
+    record: &PhaseRecord,
+    s: &Stats,
+    limit: u64,
+    ttl: Duration,
+    heartbeat: Duration,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    let name = &record.name;
+    if s.unexplained_over_ms > 0.0 {
+        v.push(format!(
+            "{name}: {:.0} ms above the limit outside the named windows (max running {})",
+            s.unexplained_over_ms, s.max_running
+        ));
+    }
+    let leak = &record.leak;
+    if leak.live != 0 || leak.probes_admitted != limit || leak.zcard_after != 0 {
+        v.push(format!(
+            "{name}: leaked slots after one ttl of quiet: {leak:?}"
+        ));
+    }
+    if s.open != 0 {
+        v.push(format!("{name}: {} intervals with no recorded end", s.open));
+    }
+    if s.admissions_cut != 0 {
+        v.push(format!(
+            "{name}: {} admissions while Redis was unreachable",
+            s.admissions_cut
+        ));
+    }
+    let ttl_ms = ttl.as_secs_f64() * 1000.0;
+    if let Some(worst) = s.cut_to_stop_ms.iter().copied().reduce(f64::max) {
+        if worst > ttl_ms {
+            v.push(format!(
+                "{name}: a cut-off holder ran {worst:.0} ms, over one ttl"
+            ));
+        }
+    }
+    if let Some(worst) = s.resume_to_stop_ms.iter().copied().reduce(f64::max) {
+        if worst > 200.0 {
+            v.push(format!(
+                "{name}: a resumed holder ran on {worst:.0} ms after SIGCONT"
+            ));
+        }
+    }
+    let cancel_bound = (heartbeat + Duration::from_secs(1)).as_secs_f64() * 1000.0;
+    if let Some(worst) = s.cancel_ms.iter().copied().reduce(f64::max) {
+        if worst > cancel_bound {
+            v.push(format!(
+                "{name}: a cancel took {worst:.0} ms (bound {cancel_bound:.0})"
+            ));
+        }
+    }
+    if !record.cancels.is_empty() && s.cancel_ms.is_empty() {
+        v.push(format!(
+            "{name}: no cancel reached running work, nothing measured"
+        ));
+    }
+    let reuse_bound = ttl_ms + 1000.0;
+    if let Some(worst) = s.reuse_ms.iter().copied().reduce(f64::max) {
+        if worst > reuse_bound {
+            v.push(format!(
+                "{name}: a dead holder's slot came back after {worst:.0} ms"
+            ));
+        }
+    }
+    if !record.kills.is_empty() && s.reuse_ms.is_empty() {
+        v.push(format!("{name}: no kill hit a holder, nothing measured"));
+    }
+    if record.no_loss_expected && s.lost != 0 {
+        v.push(format!(
+            "{name}: {} leases lost although Redis kept answering",
+            s.lost
+        ));
+    }
+    if s.after_lift == 0 {
+        v.push(format!(
+            "{name}: no work started after the faults were lifted"
+        ));
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chaos::ops::Leak;
+
+    fn interval(worker: usize, start: Ns, end: Ns) -> Interval {
+        Interval {
+            worker,
+            generation: 0,
+            id: format!("w{worker}-{start}"),
+            start: start * MS,
+            end: end * MS,
+            outcome: "completed".into(),
+        }
+    }
+
+    fn record(allowed: Vec<(Window, &'static str)>) -> PhaseRecord {
+        PhaseRecord {
+            name: "t".into(),
+            fault: "t".into(),
+            window: Window::new(0, 1000 * MS),
+            faults_lifted: 0,
+            allowed,
+            outages: Vec::new(),
+            isolated: Vec::new(),
+            paused: Vec::new(),
+            kills: Vec::new(),
+            cancels: Vec::new(),
+            no_loss_expected: false,
+            leak: Leak::default(),
+        }
+    }
+
+    #[test]
+    fn over_limit_is_measured_and_attributed_to_windows() {
+        // Limit 2: three run at once from 20 to 30 ms and from 50 to 55 ms.
+        let all = [
+            interval(0, 0, 100),
+            interval(1, 10, 60),
+            interval(2, 20, 30),
+            interval(3, 50, 55),
+            interval(4, 60, 70), // starts as worker 1 ends: not an overlap
+        ];
+        let allowed = vec![(Window::new(15 * MS, 35 * MS), "pause")];
+        let s = check(&record(allowed), &all, &[], 5, 2);
+        assert_eq!(s.max_running, 3);
+        assert!((s.over_ms - 15.0).abs() < 1e-9, "{}", s.over_ms);
+        assert!((s.worst_over_ms - 10.0).abs() < 1e-9);
+        assert!(
+            (s.unexplained_over_ms - 5.0).abs() < 1e-9,
+            "{}",
+            s.unexplained_over_ms
+        );
+        assert_eq!(s.completed, 5);
+    }
+}

@@ -1,0 +1,205 @@
+//! The mixed phase: faults drawn from a seeded schedule, overlapping, all on one fleet.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use super::fleet::Fleet;
+use super::model::{now_ns, Cancel, Ns, Window, MS};
+use super::ops::Ops;
+use super::phase::{run_for, Phase, PhaseRecord};
+use super::scenarios::Plan;
+
+/// A fault that ends later, and what ending it takes.
+#[derive(Debug, Clone, Copy)]
+enum Undo {
+    Resume(usize),
+    Heal(usize),
+    Unstall(usize),
+    LatencyOff,
+    RedisResume,
+}
+
+/// What the schedule can draw.
+const ACTIONS: [&str; 8] = [
+    "kill",
+    "pause",
+    "partition",
+    "stall",
+    "latency",
+    "drop-connections",
+    "cancel",
+    "cancel-marker",
+];
+
+/// Runs the mixed phase for `length`, plus one Redis pause in the middle.
+pub fn mixed(
+    fleet: &mut Fleet,
+    ops: &Ops,
+    plan: &mut Plan,
+    length: Duration,
+    seed: u64,
+) -> PhaseRecord {
+    let mut p = Phase::begin(fleet, "7-mixed", "");
+    let ttl = fleet.settings.ttl;
+    let began = Instant::now();
+    let end = began + length;
+    let mut next = began + Duration::from_millis(800);
+    let mut redis_paused_once = false;
+    let mut pending: Vec<(Instant, Undo, Ns)> = Vec::new();
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    // Bounded: the schedule ends at `end`, and every undo is due within 2 x ttl of it.
+    while Instant::now() < end || !pending.is_empty() {
+        let now = Instant::now();
+        pending.sort_by_key(|(due, _, _)| *due);
+        while pending.first().is_some_and(|(due, _, _)| *due <= now) {
+            let (_, undo, start) = pending.remove(0);
+            undo_fault(fleet, &mut p, undo, start);
+        }
+        if now >= next && now < end {
+            let busy: Vec<usize> = pending
+                .iter()
+                .filter_map(|(_, u, _)| match u {
+                    Undo::Resume(k) | Undo::Heal(k) | Undo::Unstall(k) => Some(*k),
+                    _ => None,
+                })
+                .collect();
+            let action = if !redis_paused_once && now >= began + length / 2 {
+                redis_paused_once = true;
+                "redis-pause"
+            } else {
+                ACTIONS[plan.rng.below(ACTIONS.len() as u64) as usize]
+            };
+            let latency_on = pending
+                .iter()
+                .any(|(_, u, _)| matches!(u, Undo::LatencyOff));
+            let redis_down = pending
+                .iter()
+                .any(|(_, u, _)| matches!(u, Undo::RedisResume));
+            if let Some(undo) = inject(
+                fleet, ops, &mut p, plan, action, &busy, latency_on, redis_down,
+            ) {
+                let lasts = match undo {
+                    Undo::LatencyOff => Duration::from_secs(2),
+                    Undo::RedisResume => ttl * 6 / 5,
+                    _ => ttl * 3 / 2,
+                };
+                pending.push((Instant::now() + lasts, undo, now_ns()));
+            }
+            *counts.entry(action).or_default() += 1;
+            next = now + Duration::from_millis(600 + plan.rng.below(800));
+        }
+        let wake = pending
+            .iter()
+            .map(|(due, _, _)| *due)
+            .chain((next < end).then_some(next))
+            .min()
+            .unwrap_or(now);
+        std::thread::sleep(
+            wake.saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(50)),
+        );
+    }
+    p.lifted();
+    let drawn: Vec<String> = counts.iter().map(|(a, n)| format!("{a} x{n}")).collect();
+    p.record().fault = format!("seed {seed}: {}", drawn.join(", "));
+    run_for(Duration::from_millis(1500));
+    p.finish(fleet, ops)
+}
+
+/// Starts `action`; returns how to end it if it lasts.
+#[allow(clippy::too_many_arguments)]
+fn inject(
+    fleet: &mut Fleet,
+    ops: &Ops,
+    p: &mut Phase,
+    plan: &mut Plan,
+    action: &str,
+    busy: &[usize],
+    latency_on: bool,
+    redis_down: bool,
+) -> Option<Undo> {
+    let holder = |min_left: i64| {
+        fleet
+            .holders()
+            .into_iter()
+            .find(|h| h.remaining_ms >= min_left && !busy.contains(&h.worker))
+    };
+    let idle_slot = |rng: &mut super::model::Rng| {
+        let free: Vec<usize> = (0..fleet.settings.workers)
+            .filter(|k| !busy.contains(k))
+            .collect();
+        free.get(rng.below(free.len().max(1) as u64) as usize)
+            .copied()
+    };
+    match action {
+        "kill" => {
+            let victim = holder(50)?;
+            // Not a reuse measurement: other faults overlap; the kill still ends its interval.
+            fleet.kill_and_respawn(victim.worker);
+            None
+        }
+        "pause" => {
+            let victim = holder(100)?;
+            fleet.pause(victim.worker);
+            Some(Undo::Resume(victim.worker))
+        }
+        "partition" => {
+            let k = idle_slot(&mut plan.rng)?;
+            fleet.proxies[k].partition(true);
+            Some(Undo::Heal(k))
+        }
+        "stall" => {
+            let k = idle_slot(&mut plan.rng)?;
+            fleet.proxies[k].stall(true);
+            Some(Undo::Unstall(k))
+        }
+        "latency" if !latency_on => {
+            fleet.each_proxy(|proxy| proxy.set_latency(Duration::from_millis(100)));
+            Some(Undo::LatencyOff)
+        }
+        "drop-connections" => {
+            fleet.each_proxy(|proxy| proxy.drop_connections());
+            None
+        }
+        "cancel" | "cancel-marker" if !redis_down => {
+            let victim = holder(600)?;
+            let at = now_ns();
+            let sent = if action == "cancel" {
+                ops.cancel(&victim.id)
+            } else {
+                ops.cancel_marker_only(&fleet.server, &victim.id)
+            };
+            if sent {
+                p.record().cancels.push(Cancel { id: victim.id, at });
+            }
+            None
+        }
+        "redis-pause" => {
+            fleet.server.pause();
+            Some(Undo::RedisResume)
+        }
+        _ => None,
+    }
+}
+
+fn undo_fault(fleet: &mut Fleet, p: &mut Phase, undo: Undo, start: Ns) {
+    match undo {
+        Undo::Resume(k) => fleet.resume(k),
+        Undo::Heal(k) => fleet.proxies[k].partition(false),
+        Undo::Unstall(k) => fleet.proxies[k].stall(false),
+        Undo::LatencyOff => fleet.each_proxy(|proxy| proxy.set_latency(Duration::ZERO)),
+        Undo::RedisResume => fleet.server.resume(),
+    }
+    let w = Window::new(start, now_ns());
+    let r = p.record();
+    match undo {
+        Undo::Resume(k) => {
+            r.paused.push((k, w));
+            r.allowed
+                .push((Window::new(w.start, w.end + 300 * MS), "paused holder"));
+        }
+        Undo::Heal(k) | Undo::Unstall(k) => r.isolated.push((k, w)),
+        Undo::RedisResume => r.outages.push((w, true)),
+        Undo::LatencyOff => {}
+    }
+}

@@ -1,0 +1,248 @@
+//! The single-fault phases, each with its own fault and its own record.
+
+use std::time::Duration;
+
+use super::fleet::Fleet;
+use super::model::{now_ns, Cancel, Rng, Window, MS};
+use super::ops::Ops;
+use super::phase::{run_for, Phase, PhaseRecord};
+
+/// How long the suite runs, and its random choices.
+pub struct Plan {
+    /// The long run (`LEASEHOLD_CHAOS_LONG=1`).
+    pub long: bool,
+    /// Chooses victims.
+    pub rng: Rng,
+}
+
+impl Plan {
+    /// `short` rounds in the default run, `long` in the long one.
+    pub fn rounds(&self, short: usize, long: usize) -> usize {
+        if self.long {
+            long
+        } else {
+            short
+        }
+    }
+}
+
+/// Time the fleet works before a phase's first fault.
+const WARM_UP: Duration = Duration::from_millis(1000);
+/// Time it works after the last fault, to show it recovered.
+const RECOVERY: Duration = Duration::from_millis(1500);
+/// How long to wait for a worker to be holding.
+const FIND_HOLDER: Duration = Duration::from_secs(3);
+
+fn nanos(d: Duration) -> u128 {
+    d.as_nanos()
+}
+
+/// 1: SIGKILL one or two random holders at a time, respawn them at once.
+pub fn kills(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+    let mut p = Phase::begin(fleet, "1-kill", "SIGKILL 1-2 random holders, respawned");
+    run_for(WARM_UP);
+    let rounds = plan.rounds(3, 12);
+    for round in 0..rounds {
+        let victims = 1 + plan.rng.below(2) as usize;
+        let mut busy = Vec::new();
+        for _ in 0..victims {
+            let holders: Vec<_> = fleet
+                .holders()
+                .into_iter()
+                .filter(|h| h.remaining_ms >= 100 && !busy.contains(&h.worker))
+                .collect();
+            if holders.is_empty() {
+                continue;
+            }
+            let victim = &holders[plan.rng.below(holders.len() as u64) as usize];
+            busy.push(victim.worker);
+            let kill = fleet.kill_and_respawn(victim.worker);
+            p.record().kills.push(kill);
+        }
+        if round + 1 == rounds {
+            p.lifted();
+        }
+        // Longer than one ttl: the dead leases expire and their slots are reused in between.
+        run_for(fleet.settings.ttl * 2 + Duration::from_millis(300));
+    }
+    p.finish(fleet, ops)
+}
+
+/// 2: SIGSTOP a holder for twice the ttl, then SIGCONT.
+pub fn pause_worker(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+    let mut p = Phase::begin(fleet, "2-pause-worker", "SIGSTOP a holder for 2 x ttl");
+    run_for(WARM_UP);
+    for _ in 0..plan.rounds(1, 4) {
+        let Some(holder) = fleet.wait_for_holder(200, &[], FIND_HOLDER) else {
+            continue;
+        };
+        let start = now_ns();
+        fleet.pause(holder.worker);
+        run_for(fleet.settings.ttl * 2);
+        fleet.resume(holder.worker);
+        let end = now_ns();
+        p.lifted();
+        let r = p.record();
+        r.paused.push((holder.worker, Window::new(start, end)));
+        r.allowed
+            .push((Window::new(start, end + 300 * MS), "paused holder"));
+        run_for(RECOVERY);
+    }
+    p.finish(fleet, ops)
+}
+
+/// 3a: Redis killed and restarted empty (no persistence), after `down`.
+pub fn restart(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, down: Duration) -> PhaseRecord {
+    let fast = down < fleet.settings.ttl;
+    let (name, fault) = if fast {
+        (
+            "3a-restart-fast",
+            "Redis SIGKILLed and restarted empty at once",
+        )
+    } else {
+        (
+            "3a-restart-slow",
+            "Redis SIGKILLed, down 1.5 x ttl, restarted empty",
+        )
+    };
+    let mut p = Phase::begin(fleet, name, fault);
+    run_for(WARM_UP);
+    for _ in 0..plan.rounds(1, 3) {
+        let start = now_ns();
+        fleet.server.kill();
+        run_for(down);
+        fleet.server.restart();
+        let back = now_ns();
+        p.lifted();
+        let ttl = nanos(fleet.settings.ttl);
+        let r = p.record();
+        r.outages.push((Window::new(start, back), !fast));
+        r.allowed.push((
+            Window::new(start, back + ttl),
+            "restart without persistence",
+        ));
+        run_for(RECOVERY);
+    }
+    p.finish(fleet, ops)
+}
+
+/// 3b: Redis SIGSTOPped for 1.5 x ttl, then SIGCONT.
+pub fn pause_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+    let mut p = Phase::begin(fleet, "3b-pause-redis", "Redis SIGSTOPped for 1.5 x ttl");
+    run_for(WARM_UP);
+    for _ in 0..plan.rounds(1, 3) {
+        let start = now_ns();
+        fleet.server.pause();
+        run_for(fleet.settings.ttl * 3 / 2);
+        fleet.server.resume();
+        let end = now_ns();
+        p.lifted();
+        p.record().outages.push((Window::new(start, end), true));
+        run_for(RECOVERY);
+    }
+    p.finish(fleet, ops)
+}
+
+/// 4: one holder partitioned (connections refused) and another stalled (half-open link) for
+/// 2 x ttl; the rest of the fleet stays healthy.
+pub fn partition(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+    let mut p = Phase::begin(
+        fleet,
+        "4-partition",
+        "one holder partitioned, another stalled, 2 x ttl",
+    );
+    run_for(WARM_UP);
+    for _ in 0..plan.rounds(1, 4) {
+        let Some(cut) = fleet.wait_for_holder(150, &[], FIND_HOLDER) else {
+            continue;
+        };
+        let stalled = fleet.wait_for_holder(150, &[cut.worker], FIND_HOLDER);
+        let start = now_ns();
+        fleet.proxies[cut.worker].partition(true);
+        if let Some(s) = &stalled {
+            fleet.proxies[s.worker].stall(true);
+        }
+        run_for(fleet.settings.ttl * 2);
+        fleet.proxies[cut.worker].partition(false);
+        if let Some(s) = &stalled {
+            fleet.proxies[s.worker].stall(false);
+        }
+        let end = now_ns();
+        p.lifted();
+        let r = p.record();
+        r.isolated.push((cut.worker, Window::new(start, end)));
+        if let Some(s) = stalled {
+            r.isolated.push((s.worker, Window::new(start, end)));
+        }
+        run_for(RECOVERY);
+    }
+    p.finish(fleet, ops)
+}
+
+/// 5: `each_way` added to every chunk in both directions on every proxy.
+pub fn latency(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, each_way: Duration) -> PhaseRecord {
+    let round_trip = each_way * 2;
+    let heavy = round_trip >= fleet.settings.ttl / 3;
+    let name = if heavy {
+        "5b-latency-heavy"
+    } else {
+        "5-latency"
+    };
+    let fault = format!(
+        "+{} ms per Redis round trip on every worker",
+        round_trip.as_millis()
+    );
+    let mut p = Phase::begin(fleet, name, &fault);
+    p.record().no_loss_expected = !heavy;
+    run_for(WARM_UP);
+    fleet.each_proxy(|proxy| proxy.set_latency(each_way));
+    run_for(Duration::from_millis(plan.rounds(3000, 12_000) as u64));
+    fleet.each_proxy(|proxy| proxy.set_latency(Duration::ZERO));
+    p.lifted();
+    run_for(RECOVERY);
+    p.finish(fleet, ops)
+}
+
+/// How a cancel reaches its holder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelPath {
+    /// Marker and Pub/Sub message, both delivered.
+    PubSub,
+    /// Marker and message, but every proxy drops Pub/Sub deliveries (release events too).
+    PushesDropped,
+    /// The marker alone, written by the test; no message is ever published.
+    MarkerOnly,
+}
+
+/// 6: cancels of running tasks, along `path`.
+pub fn cancels(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, path: CancelPath) -> PhaseRecord {
+    let (name, fault) = match path {
+        CancelPath::PubSub => ("6a-cancel", "cancels, Pub/Sub delivered"),
+        CancelPath::PushesDropped => (
+            "6b-cancel-lost-pubsub",
+            "cancels; proxies drop every Pub/Sub delivery",
+        ),
+        CancelPath::MarkerOnly => ("6c-cancel-marker-only", "cancel marker written, no PUBLISH"),
+    };
+    let mut p = Phase::begin(fleet, name, fault);
+    let dropped = path == CancelPath::PushesDropped;
+    fleet.each_proxy(|proxy| proxy.drop_pushes(dropped));
+    run_for(WARM_UP);
+    for _ in 0..plan.rounds(3, 10) {
+        let Some(holder) = fleet.wait_for_holder(600, &[], FIND_HOLDER) else {
+            continue;
+        };
+        let at = now_ns();
+        let sent = match path {
+            CancelPath::MarkerOnly => ops.cancel_marker_only(&fleet.server, &holder.id),
+            _ => ops.cancel(&holder.id),
+        };
+        assert!(sent, "{name}: the cancel of {} failed", holder.id);
+        p.record().cancels.push(Cancel { id: holder.id, at });
+        run_for(Duration::from_millis(700));
+    }
+    fleet.each_proxy(|proxy| proxy.drop_pushes(false));
+    p.lifted();
+    run_for(RECOVERY);
+    p.finish(fleet, ops)
+}

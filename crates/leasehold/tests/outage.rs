@@ -1,0 +1,176 @@
+//! Redis down: the backend-down policies, the short-circuit, holders through a short outage, and
+//! dataset loss on a real restart without persistence.
+
+use std::time::{Duration, Instant};
+
+use leasehold::{BackendDownPolicy, BreakerConfig, BreakerMode, Error, Quota, RedisBackend};
+use leasehold_testkit::RedisServer;
+
+const TTL: Duration = Duration::from_millis(1000);
+
+async fn quota(server: &RedisServer, name: &str, policy: BackendDownPolicy) -> Quota {
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    Quota::builder(name)
+        .limit(2)
+        .ttl(TTL)
+        .when_backend_down(policy)
+        .breaker(BreakerConfig {
+            failures_to_open: 2,
+            cool_down: Duration::from_millis(400),
+        })
+        .backend(backend)
+        .build()
+        .unwrap()
+}
+
+/// Calls `try_acquire` until the circuit opens (bounded).
+async fn open_the_circuit(quota: &Quota) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while quota.breaker_mode() != BreakerMode::Open {
+        assert!(Instant::now() < end, "the circuit never opened");
+        let _ = quota.try_acquire("probe").await;
+    }
+}
+
+#[tokio::test]
+async fn fail_closed_refuses_at_once_once_the_circuit_is_open_and_recovers() {
+    let mut server = RedisServer::start();
+    let quota = quota(&server, "closed", BackendDownPolicy::FailClosed).await;
+    quota
+        .try_acquire("before")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    server.kill();
+    let first = Instant::now();
+    let err = quota.try_acquire("t").await.unwrap_err();
+    println!(
+        "first refusal while Redis is down took {:?}",
+        first.elapsed()
+    );
+    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    open_the_circuit(&quota).await;
+    let mut worst = Duration::ZERO;
+    for i in 0..100 {
+        let asked = Instant::now();
+        let err = quota.try_acquire(&format!("t{i}")).await.unwrap_err();
+        worst = worst.max(asked.elapsed());
+        assert!(matches!(err, Error::BackendUnavailable(_)));
+    }
+    println!("refusals with the circuit open: worst {worst:?} over 100 calls");
+    assert!(
+        worst < Duration::from_millis(50),
+        "no network wait: {worst:?}"
+    );
+    assert_eq!(quota.local_leases(), 0, "fail closed admits nothing");
+
+    server.restart();
+    let end = Instant::now() + Duration::from_secs(15);
+    let lease = loop {
+        match quota.try_acquire("after").await {
+            Ok(lease) => break lease,
+            // Down, then quarantined: this client saw the epoch the restart erased.
+            Err(Error::BackendUnavailable(_) | Error::Full { .. }) if Instant::now() < end => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    assert!(!lease.is_local());
+    assert_eq!(quota.breaker_mode(), BreakerMode::Closed);
+}
+
+#[tokio::test]
+async fn fail_open_admits_everyone_locally_while_redis_is_down() {
+    let mut server = RedisServer::start();
+    let quota = quota(&server, "open", BackendDownPolicy::FailOpen).await;
+    server.kill();
+    let mut leases = Vec::new();
+    for i in 0..5 {
+        let lease = quota.try_acquire(&format!("t{i}")).await.unwrap();
+        assert!(lease.is_local() && lease.fencing_token() == 0);
+        leases.push(lease);
+    }
+    assert_eq!(
+        quota.local_leases(),
+        5,
+        "beyond the limit of 2: the storm goes downstream"
+    );
+    for lease in &leases {
+        lease.release().await.unwrap();
+    }
+    assert_eq!(quota.local_leases(), 0);
+}
+
+#[tokio::test]
+async fn degrade_local_admits_up_to_its_share_while_redis_is_down() {
+    let mut server = RedisServer::start();
+    let quota = quota(
+        &server,
+        "degrade",
+        BackendDownPolicy::DegradeLocal { share: 2 },
+    )
+    .await;
+    server.kill();
+    let a = quota.try_acquire("a").await.unwrap();
+    let b = quota.try_acquire("b").await.unwrap();
+    assert!(a.is_local() && b.is_local());
+    assert!(matches!(
+        quota.try_acquire("c").await,
+        Err(Error::Full { .. })
+    ));
+    drop(a);
+    let c = quota.try_acquire("c").await.unwrap();
+    assert!(c.is_local());
+    assert_eq!(quota.local_leases(), 2);
+}
+
+#[tokio::test]
+async fn a_holder_keeps_its_lease_through_an_outage_shorter_than_the_ttl() {
+    let server = RedisServer::start();
+    let quota = quota(&server, "blip", BackendDownPolicy::FailClosed).await;
+    let lease = quota.try_acquire("steady").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.pause();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.resume();
+    tokio::time::sleep(TTL * 2).await;
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    let status = quota.status().await.unwrap();
+    assert_eq!(status.holders.len(), 1);
+}
+
+#[tokio::test]
+async fn a_restart_without_persistence_quarantines_admissions_for_one_ttl() {
+    let mut server = RedisServer::start();
+    let holders = quota(&server, "restart", BackendDownPolicy::FailClosed).await;
+    let a = holders.try_acquire("a").await.unwrap();
+    let b = holders.try_acquire("b").await.unwrap();
+    server.restart(); // every lease, the fence and the epoch are gone
+    let restarted = Instant::now();
+    // A process that never saw the old epoch arrives; the old holders renew meanwhile.
+    let newcomer = quota(&server, "restart", BackendDownPolicy::FailClosed).await;
+    let end = Instant::now() + Duration::from_secs(10);
+    while holders.status().await.map(|s| s.holders.len()).unwrap_or(0) < 2 {
+        assert!(Instant::now() < end, "the old holders never re-registered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(a.is_held() && b.is_held());
+    assert!(matches!(
+        newcomer.try_acquire("c").await,
+        Err(Error::Full { .. })
+    ));
+    drop(a);
+    // A slot is free, but the quarantine holds it back until one ttl after the loss was seen.
+    let c = newcomer
+        .acquire_timeout("c", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let waited = restarted.elapsed();
+    println!("first new admission {waited:?} after the restart (ttl {TTL:?})");
+    assert!(waited >= TTL, "{waited:?}");
+    assert!(c.fencing_token() > b.fencing_token());
+    assert_eq!(newcomer.status().await.unwrap().holders.len(), 2);
+}
