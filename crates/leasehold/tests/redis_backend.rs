@@ -375,3 +375,111 @@ async fn a_retry_after_a_timed_out_acquire_keeps_the_slot_the_late_reply_took() 
         Err(Error::Full { .. })
     ));
 }
+
+/// The ACL line docs/RELIABILITY.md gives operators: exactly the commands leasehold sends,
+/// directly or from its scripts, on its own keys and channels.
+const LEASEHOLD_ACL: &[&str] = &[
+    "on",
+    ">lh-pw",
+    "resetkeys",
+    "~leasehold:{allowed}:*",
+    "resetchannels",
+    "&leasehold:{allowed}:*",
+    "-@all",
+    "+ping",
+    "+hello",
+    "+evalsha",
+    "+eval",
+    "+script|load",
+    "+subscribe",
+    "+time",
+    "+get",
+    "+set",
+    "+incr",
+    "+pttl",
+    "+hget",
+    "+hset",
+    "+hsetnx",
+    "+hdel",
+    "+zadd",
+    "+zrem",
+    "+zscore",
+    "+zcard",
+    "+zrange",
+    "+zrangebyscore",
+    "+zremrangebyscore",
+    "+publish",
+];
+
+#[tokio::test]
+async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
+    let server = RedisServer::start();
+    let mut setuser = vec!["ACL", "SETUSER", "lh"];
+    setuser.extend_from_slice(LEASEHOLD_ACL);
+    assert_eq!(server.command(&setuser).as_string().as_deref(), Some("OK"));
+    let url = format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port());
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let ttl = Duration::from_millis(600);
+    let allowed = Quota::builder("allowed")
+        .limit(1)
+        .ttl(ttl)
+        .backend(backend.clone())
+        .build()
+        .unwrap();
+    let lease = allowed.try_acquire("a").await.unwrap();
+    tokio::time::sleep(ttl * 2).await; // renewals run under the same user
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    assert_eq!(allowed.status().await.unwrap().holders.len(), 1);
+    assert!(allowed.cancel("a", "acl test").await.unwrap());
+    lease.release().await.unwrap();
+    assert!(!allowed.force_release("a").await.unwrap());
+    let forbidden = Quota::builder("other")
+        .limit(1)
+        .backend(backend)
+        .build()
+        .unwrap();
+    let err = forbidden.try_acquire("a").await.unwrap_err();
+    assert!(
+        matches!(err, Error::Misconfigured(Misconfiguration::NoPermission(_))),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn names_with_colons_and_spaces_touch_only_their_own_keys() {
+    let server = RedisServer::start();
+    server.command(&["SET", "unrelated", "1"]);
+    server.command(&["SET", "leasehold:{a b}:leases", "someone else's"]);
+    let quota = quota_on(&server, "a b:c", 2, Duration::from_secs(5)).await;
+    let lease = quota
+        .try_acquire("id with spaces:and:colons")
+        .await
+        .unwrap();
+    assert_eq!(
+        quota.status().await.unwrap().holders[0].task_id,
+        lease.task_id()
+    );
+    lease.release().await.unwrap();
+    let keys = match server.command(&["KEYS", "*"]) {
+        leasehold_testkit::Reply::Array(keys) => keys
+            .iter()
+            .map(|k| k.as_string().unwrap())
+            .collect::<Vec<_>>(),
+        other => panic!("{other:?}"),
+    };
+    for key in &keys {
+        assert!(
+            key.starts_with("leasehold:{a b:c}:")
+                || key == "unrelated"
+                || key == "leasehold:{a b}:leases",
+            "unexpected key {key:?}"
+        );
+    }
+    assert_eq!(
+        server
+            .command(&["GET", "leasehold:{a b}:leases"])
+            .as_string()
+            .as_deref(),
+        Some("someone else's")
+    );
+}
