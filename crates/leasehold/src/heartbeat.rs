@@ -76,8 +76,7 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
         let reply = match tokio::time::timeout(bound, call).await {
             Ok(reply) => reply,
             Err(_) => Err(Error::BackendUnavailable(format!(
-                "no renewal reply within the heartbeat interval {:?}",
-                shared.config.heartbeat
+                "no renewal reply within {bound:?}"
             ))),
         };
         shared.record_backend_result(&reply);
