@@ -14,9 +14,6 @@ use crate::lease::LeaseInner;
 use crate::quota::Shared;
 use crate::runtime;
 
-/// Most leases sent in one renewal call; more are split so one script never blocks Redis long.
-const RENEW_BATCH: usize = 5000;
-
 pub(crate) fn start(shared: &Arc<Shared>) {
     let changed = shared.registry_changed.clone();
     runtime::spawn(run(Arc::downgrade(shared), changed));
@@ -63,42 +60,44 @@ async fn run(shared: Weak<Shared>, changed: Arc<tokio::sync::Notify>) {
 }
 
 async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
-    for batch in leases.chunks(RENEW_BATCH) {
-        let pairs: Vec<(String, u64)> =
-            batch.iter().map(|l| (l.task_id.clone(), l.token)).collect();
-        let sent = Instant::now();
-        // Bounded below the interval too: a hung call must be over before the next beat, so
-        // that beat retries instead of being skipped.
-        let call = shared
-            .backend
-            .renew(&shared.keys, shared.config.ttl, &pairs);
-        let bound = shared.config.heartbeat.mul_f64(0.8);
-        let reply = match tokio::time::timeout(bound, call).await {
-            Ok(reply) => reply,
-            Err(_) => Err(Error::BackendUnavailable(format!(
-                "no renewal reply within {bound:?}"
-            ))),
-        };
-        shared.record_backend_result(&reply);
-        match reply {
-            Ok(outcomes) => {
-                for (lease, outcome) in batch.iter().zip(outcomes) {
-                    match outcome {
-                        RenewOutcome::Renewed { deadline_ms } => lease.renewed(deadline_ms, sent),
-                        RenewOutcome::Gone => {
-                            lease.mark_lost(LostReason::Expired);
-                        }
-                        RenewOutcome::Superseded => {
-                            lease.mark_lost(LostReason::Superseded);
-                        }
-                        RenewOutcome::Cancelled { reason } => {
-                            lease.mark_lost(LostReason::Cancelled(reason));
-                        }
-                    }
-                }
+    let pairs: Vec<(String, u64)> = leases
+        .iter()
+        .map(|l| (l.task_id.clone(), l.token))
+        .collect();
+    let sent = Instant::now();
+    // Bounded below the interval too: a hung call must be over before the next beat, so that
+    // beat retries instead of being skipped.
+    let call = shared
+        .backend
+        .renew(&shared.keys, shared.config.ttl, &pairs);
+    let bound = shared.config.heartbeat.mul_f64(0.8);
+    let reply = match tokio::time::timeout(bound, call).await {
+        Ok(reply) => reply,
+        Err(_) => Err(Error::BackendUnavailable(format!(
+            "no renewal reply within {bound:?}"
+        ))),
+    };
+    shared.record_backend_result(&reply);
+    let outcomes = match reply {
+        Ok(outcomes) => outcomes,
+        Err(e) => {
+            tracing::warn!(quota = %shared.keys.name, leases = leases.len(), error = %e,
+                "renewal failed; leases keep their local deadlines");
+            return;
+        }
+    };
+    for (lease, outcome) in leases.iter().zip(outcomes) {
+        match outcome {
+            RenewOutcome::Renewed { deadline_ms } => lease.renewed(deadline_ms, sent),
+            RenewOutcome::Gone => {
+                lease.mark_lost(LostReason::Expired);
             }
-            Err(e) => tracing::warn!(quota = %shared.keys.name, leases = batch.len(), error = %e,
-                "renewal failed; leases keep their local deadlines"),
+            RenewOutcome::Superseded => {
+                lease.mark_lost(LostReason::Superseded);
+            }
+            RenewOutcome::Cancelled { reason } => {
+                lease.mark_lost(LostReason::Cancelled(reason));
+            }
         }
     }
 }

@@ -203,7 +203,13 @@ async fn dataset_loss_quarantines_admissions_while_holders_re_register(fx: Fixtu
     let old = quota.try_acquire("old").await.unwrap();
     fx.wipe(); // the store forgets everything, as a restart without persistence does
     let lost_at = Instant::now();
-    tokio::time::sleep(heartbeat * 2).await; // the holder's renewals reach the new epoch
+    // An acquire of this very process is the first to see the new epoch...
+    assert!(matches!(
+        quota.try_acquire("early").await,
+        Err(Error::Full { .. })
+    ));
+    // ...and the holder's renewals must still re-register the forgotten lease.
+    tokio::time::sleep(heartbeat * 2).await;
     assert!(old.is_held(), "{:?}", old.lost_reason());
     let status = quota.status().await.unwrap();
     assert_eq!(status.holders.len(), 1, "the old holder re-registered");

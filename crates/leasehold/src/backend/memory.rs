@@ -25,22 +25,25 @@ pub struct MemoryBackend {
     quotas: Mutex<HashMap<String, QuotaState>>,
 }
 
-/// Epochs, as the Redis protocol keeps them: the store's (lost with the data) and the one its
-/// client last saw (kept by the client), so a [`MemoryBackend::wipe`] is detected the same way.
+/// Epochs, as the Redis protocol keeps them: the store's (lost with the data) and the ones its
+/// client last saw and had its leases confirmed in (kept by the client), so that a
+/// [`MemoryBackend::wipe`] is detected the same way.
 #[derive(Debug, Default)]
 struct Epochs {
     next: u64,
     store: Option<u64>,
     seen: Option<u64>,
+    confirmed: Option<u64>,
     loss_detected: bool,
     quarantine_until_ms: u64,
 }
 
 impl Epochs {
-    /// Compares the store's epoch with the last one seen; returns true if the state was lost
-    /// since, starting the quarantine once per epoch.
-    fn check(&mut self, now: u64, ttl_ms: u64) -> bool {
-        let stale = self.seen.is_some() && self.seen != self.store;
+    /// The store's side of a call that carries the client's epoch `sent`: creates an epoch if
+    /// the store lost it, and starts the quarantine once per epoch if `sent` is stale. Returns
+    /// whether it was stale.
+    fn check(&mut self, sent: Option<u64>, now: u64, ttl_ms: u64) -> bool {
+        let stale = sent.is_some() && sent != self.store;
         if self.store.is_none() {
             self.next += 1;
             self.store = Some(self.next);
@@ -50,7 +53,6 @@ impl Epochs {
             self.loss_detected = true;
             self.quarantine_until_ms = now + ttl_ms;
         }
-        self.seen = self.store;
         stale
     }
 }
@@ -153,13 +155,15 @@ impl Backend for MemoryBackend {
     ) -> Result<AcquireReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
-            q.epochs.check(now, ttl_ms);
+            q.epochs.check(q.epochs.seen, now, ttl_ms);
+            q.epochs.seen = q.epochs.store;
             if let Some(reason) = q.cancel_reason(task_id, now) {
                 return AcquireReply::Cancelled { reason };
             }
             q.leases.retain(|_, s| s.deadline_ms > now);
             if let Some(s) = q.leases.get_mut(task_id) {
                 s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
+                q.epochs.confirmed = q.epochs.store;
                 return AcquireReply::Held(record(task_id, *s, now));
             }
             if q.epochs.quarantine_until_ms > now {
@@ -175,6 +179,7 @@ impl Backend for MemoryBackend {
                     deadline_ms: now + ttl_ms,
                 };
                 q.leases.insert(task_id.to_owned(), s);
+                q.epochs.confirmed = q.epochs.store;
                 return AcquireReply::Acquired(record(task_id, s, now));
             }
             let earliest = q.leases.values().map(|s| s.deadline_ms).min();
@@ -193,7 +198,10 @@ impl Backend for MemoryBackend {
     ) -> Result<Vec<RenewOutcome>> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
-            let reregister = q.epochs.check(now, ttl_ms) && q.epochs.quarantine_until_ms > now;
+            let stale = q.epochs.check(q.epochs.confirmed, now, ttl_ms);
+            let reregister = stale && q.epochs.quarantine_until_ms > now;
+            q.epochs.seen = q.epochs.store;
+            q.epochs.confirmed = q.epochs.store;
             leases
                 .iter()
                 .map(|(id, token)| {

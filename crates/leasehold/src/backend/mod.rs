@@ -27,8 +27,8 @@ pub enum AcquireReply {
         reason: String,
     },
     /// New admissions wait: the quota's state was lost (a restart without persistence, a
-    /// failover to a lagging replica) while leases may still run; their holders re-register
-    /// through their renewals during this quarantine.
+    /// FLUSHALL, an eviction) while leases may still run; their holders re-register through
+    /// their renewals during this quarantine.
     Quarantined {
         /// How long the quarantine still lasts, in milliseconds.
         remaining_ms: u64,

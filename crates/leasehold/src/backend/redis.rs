@@ -67,10 +67,24 @@ struct Inner {
     options: RedisOptions,
     /// Channel name -> sender of that quota's events.
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
-    /// Quota name -> the last epoch the server reported: sent with every acquire and renew so
-    /// the server can tell that it lost the quota's state (protocol §3).
-    epochs: Mutex<HashMap<String, String>>,
+    /// Quota name -> the epochs this process knows: sent with every acquire and renew so the
+    /// server can tell that it lost the quota's state (protocol, "Dataset loss").
+    epochs: Mutex<HashMap<String, Epochs>>,
 }
+
+/// The epochs of one quota as this process knows them.
+#[derive(Debug, Default, Clone)]
+struct Epochs {
+    /// The latest epoch any reply reported: what acquire sends.
+    seen: String,
+    /// The epoch this process's leases were last confirmed in (admitted or renewed): what renew
+    /// sends, so that leases forgotten by a loss re-register even if an acquire of this process
+    /// learned the new epoch first.
+    confirmed: String,
+}
+
+/// Most leases sent in one renewal call; more are split so one script never blocks Redis long.
+const RENEW_BATCH: usize = 5000;
 
 impl std::fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -260,6 +274,11 @@ fn map_error(e: RedisError, quota: &str) -> Error {
     {
         return Misconfiguration::Auth(text).into();
     }
+    if text.contains("user_script") {
+        // A script failed on data it did not expect (a key rewritten from outside): retrying
+        // cannot help, and it is no reason to open the circuit.
+        return Misconfiguration::Protocol(text).into();
+    }
     if text.contains("invalid peer certificate") || text.contains("certificate verify failed") {
         return Misconfiguration::Tls(text).into();
     }
@@ -308,23 +327,78 @@ fn lease_record(task_id: &str, reply: &[Value]) -> Result<LeaseRecord> {
 }
 
 impl RedisBackend {
-    fn epoch(&self, quota: &str) -> String {
+    fn epochs(&self, quota: &str) -> Epochs {
         let epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
         epochs.get(quota).cloned().unwrap_or_default()
     }
 
-    fn saw_epoch(&self, quota: &str, epoch: Option<&Value>) -> Result<()> {
+    /// Records the epoch a reply reported; `confirmed` when it admitted or renewed leases.
+    fn saw_epoch(&self, quota: &str, epoch: Option<&Value>, confirmed: bool) -> Result<()> {
         let epoch = text(epoch)?;
         let mut epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
-        if epochs.get(quota).is_some_and(|known| *known != epoch) {
+        let known = epochs.entry(quota.to_owned()).or_default();
+        if !known.seen.is_empty() && known.seen != epoch {
             tracing::warn!(
                 quota,
                 epoch,
                 "the quota's state was lost and recreated (new epoch)"
             );
         }
-        epochs.insert(quota.to_owned(), epoch);
+        known.seen = epoch.clone();
+        if confirmed {
+            known.confirmed = epoch;
+        }
         Ok(())
+    }
+
+    /// One renew call for at most [`RENEW_BATCH`] leases, sent with the epoch `epoch`.
+    async fn renew_batch(
+        &self,
+        keys: &QuotaKeys,
+        ttl: Duration,
+        epoch: &str,
+        leases: &[(String, u64)],
+    ) -> Result<(Option<Value>, Vec<RenewOutcome>)> {
+        let mut args = Vec::with_capacity(2 + 2 * leases.len());
+        args.push(ttl.as_millis().to_string());
+        args.push(epoch.to_owned());
+        for (id, token) in leases {
+            args.push(id.clone());
+            args.push(token.to_string());
+        }
+        let mut renew_keys = vec![
+            keys.leases.clone(),
+            keys.holders.clone(),
+            keys.fence.clone(),
+            keys.epoch.clone(),
+            keys.quarantine.clone(),
+        ];
+        renew_keys.extend(leases.iter().map(|(id, _)| keys.cancel(id)));
+        let reply = self
+            .invoke(keys.name.clone(), &RENEW, renew_keys, args)
+            .await?;
+        if reply.len() != 2 + 2 * leases.len() {
+            return Err(Misconfiguration::Protocol(format!(
+                "renew replied {} values for {} leases",
+                reply.len(),
+                leases.len()
+            ))
+            .into());
+        }
+        let outcomes = reply[2..]
+            .chunks(2)
+            .map(|pair| match int(pair.first())? {
+                1 => Ok(RenewOutcome::Renewed {
+                    deadline_ms: int(pair.get(1))?,
+                }),
+                2 => Ok(RenewOutcome::Superseded),
+                3 => Ok(RenewOutcome::Cancelled {
+                    reason: text(pair.get(1))?,
+                }),
+                _ => Ok(RenewOutcome::Gone),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((reply.get(1).cloned(), outcomes))
     }
 }
 
@@ -353,12 +427,13 @@ impl Backend for RedisBackend {
                     task_id.to_owned(),
                     ttl.as_millis().to_string(),
                     limit.to_string(),
-                    self.epoch(&keys.name),
+                    self.epochs(&keys.name).seen,
                 ],
             )
             .await?;
-        self.saw_epoch(&keys.name, reply.get(1))?;
-        match int(reply.first())? {
+        let code = int(reply.first())?;
+        self.saw_epoch(&keys.name, reply.get(1), matches!(code, 1 | 2))?;
+        match code {
             1 => Ok(AcquireReply::Acquired(lease_record(task_id, &reply)?)),
             2 => Ok(AcquireReply::Held(lease_record(task_id, &reply)?)),
             3 => Ok(AcquireReply::Cancelled {
@@ -381,49 +456,20 @@ impl Backend for RedisBackend {
         ttl: Duration,
         leases: &[(String, u64)],
     ) -> Result<Vec<RenewOutcome>> {
-        if leases.is_empty() {
-            return Ok(Vec::new());
+        // Every batch carries the same epoch: a first batch that learns of a loss must not
+        // keep the later ones from re-registering.
+        let epoch = self.epochs(&keys.name).confirmed;
+        let mut outcomes = Vec::with_capacity(leases.len());
+        let mut latest = None;
+        for batch in leases.chunks(RENEW_BATCH) {
+            let (reply_epoch, batch_outcomes) = self.renew_batch(keys, ttl, &epoch, batch).await?;
+            latest = reply_epoch;
+            outcomes.extend(batch_outcomes);
         }
-        let mut args = Vec::with_capacity(2 + 2 * leases.len());
-        args.push(ttl.as_millis().to_string());
-        args.push(self.epoch(&keys.name));
-        for (id, token) in leases {
-            args.push(id.clone());
-            args.push(token.to_string());
+        if latest.is_some() {
+            self.saw_epoch(&keys.name, latest.as_ref(), true)?;
         }
-        let mut renew_keys = vec![
-            keys.leases.clone(),
-            keys.holders.clone(),
-            keys.fence.clone(),
-            keys.epoch.clone(),
-            keys.quarantine.clone(),
-        ];
-        renew_keys.extend(leases.iter().map(|(id, _)| keys.cancel(id)));
-        let reply = self
-            .invoke(keys.name.clone(), &RENEW, renew_keys, args)
-            .await?;
-        if reply.len() != 2 + 2 * leases.len() {
-            return Err(Misconfiguration::Protocol(format!(
-                "renew replied {} values for {} leases",
-                reply.len(),
-                leases.len()
-            ))
-            .into());
-        }
-        self.saw_epoch(&keys.name, reply.get(1))?;
-        reply[2..]
-            .chunks(2)
-            .map(|pair| match int(pair.first())? {
-                1 => Ok(RenewOutcome::Renewed {
-                    deadline_ms: int(pair.get(1))?,
-                }),
-                2 => Ok(RenewOutcome::Superseded),
-                3 => Ok(RenewOutcome::Cancelled {
-                    reason: text(pair.get(1))?,
-                }),
-                _ => Ok(RenewOutcome::Gone),
-            })
-            .collect()
+        Ok(outcomes)
     }
 
     async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool> {
