@@ -45,6 +45,12 @@ pub enum Command {
     Cancel(CancelArgs),
     /// Force-release a task's lease by id (operator use): its holder learns it has lost it.
     Release(ReleaseArgs),
+    /// Watch a counter, a counter with a key TTL and a lease quota share one limit while tasks
+    /// crash: a live page on 127.0.0.1, or a summary table with --headless.
+    ///
+    /// Needs neither --quota nor --redis: without --redis everything runs in this process; with
+    /// it, the counters are real keys and the lease column a real quota named `demo` there.
+    Demo(DemoArgs),
 }
 
 #[derive(Debug, Args)]
@@ -95,4 +101,38 @@ pub struct CancelArgs {
 pub struct ReleaseArgs {
     /// The task whose lease to remove.
     pub task_id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Port of the page on 127.0.0.1; a free port is used if this one is taken (0: any).
+    #[arg(long, default_value_t = 7411)]
+    pub port: u16,
+    /// Slots shared by all tasks.
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    pub limit: u32,
+    /// Chance that a task crashes at its end instead of giving its slot back.
+    #[arg(long, default_value_t = 0.1, value_name = "P")]
+    pub crash_probability: f64,
+    /// Lease ttl, also the TTL of the TTL counter's key.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub ttl: Duration,
+    /// Mean time a task holds its slot (each holds between half and 1.5 times it).
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub task_duration: Duration,
+    /// Time-lapse factor: every duration, the ttl included, is divided by it.
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
+    /// Seed of the task schedule: the same seed gives the same tasks and crashes.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Run without the page and print a summary per semantics.
+    #[arg(long)]
+    pub headless: bool,
+    /// With --headless: how long tasks are submitted.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// With --headless: print the summary as JSON.
+    #[arg(long, requires = "headless")]
+    pub json: bool,
 }

@@ -2,6 +2,7 @@
 //! docs/CLI.md.
 
 mod cli;
+mod demo;
 mod exit;
 mod run;
 mod status;
@@ -50,11 +51,16 @@ fn fail(failure: Failure) -> ! {
 }
 
 async fn dispatch(cli: Cli) -> Result<i32, Failure> {
+    // The demo brings its own quota and needs no Redis.
+    if let Command::Demo(args) = cli.command {
+        return demo::run(args, cli.redis).await;
+    }
     let verb = match &cli.command {
         Command::Run(_) => "run",
         Command::Status(_) => "status",
         Command::Cancel(_) => "cancel",
         Command::Release(_) => "release",
+        Command::Demo(_) => unreachable!("dispatched above"),
     };
     let name = cli.quota.clone().ok_or_else(|| {
         Failure::new(
@@ -106,6 +112,7 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
             );
             Ok(0)
         }
+        Command::Demo(_) => unreachable!("dispatched above"),
         Command::Release(args) => {
             let quota = builder(1).ttl(Duration::from_secs(10)).build()?;
             if quota.force_release(&args.task_id).await? {

@@ -1,0 +1,150 @@
+//! `leasehold demo --headless`, as a user runs it: the summary table in memory, the JSON
+//! summary against a private redis-server, and the demo's usage errors.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use leasehold_testkit::RedisServer;
+use serde_json::Value;
+
+/// Fast settings that show all three behaviours within a few seconds (see docs/DEMO.md).
+const FAST: &[&str] = &[
+    "--limit",
+    "4",
+    "--crash-probability",
+    "0.3",
+    "--ttl",
+    "500ms",
+    "--task-duration",
+    "200ms",
+    "--seed",
+    "3",
+];
+/// Slack on top of ttl + heartbeat for a crashed lease to be seen gone: one 100 ms sampling
+/// period plus scheduling delay on a busy machine (docs/DEMO.md).
+const RECOVERY_TOLERANCE_MS: u64 = 250;
+
+fn demo(args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .arg("demo")
+        .args(args)
+        .env_remove("LEASEHOLD_REDIS_URL")
+        .env_remove("LEASEHOLD_QUOTA")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn leasehold demo");
+    let end = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().expect("poll the demo").is_none() {
+        if Instant::now() > end {
+            let _ = child.kill();
+            panic!("leasehold demo did not finish within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("the demo's output")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn the_summary_table_shows_the_leak_and_the_healing() {
+    let out = demo(&[&["--headless", "--duration", "5s"], FAST].concat());
+    assert!(out.status.success(), "{out:?}");
+    let text = stdout(&out);
+    let row = |name: &str| -> Vec<String> {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no {name} row in:\n{text}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    };
+    assert!(text.contains("TIME TO RECOVER"), "{text}");
+    // SEMANTICS ADMITTED REFUSED OVER-ADMITTED PEAK CRASHED LEAKED COUNT MIN-AVAILABLE RECOVER
+    let counter = row("counter");
+    assert_eq!(counter[6], "4", "every slot leaked: {counter:?}");
+    assert_eq!(counter[8], "0", "nothing left to admit: {counter:?}");
+    assert_eq!(counter[9], "never");
+    let lease = row("lease");
+    assert_eq!(lease[3], "0", "the lease never over-admits: {lease:?}");
+    assert!(lease[4].parse::<u32>().unwrap() <= 4, "{lease:?}");
+    assert_eq!(lease[6], "0", "no lease leaks: {lease:?}");
+    assert!(lease[9].ends_with('s'), "the lease recovered: {lease:?}");
+    assert_eq!(row("ttl-counter").len(), 10, "a full ttl-counter row");
+}
+
+#[test]
+fn against_redis_the_counters_are_real_keys_and_the_lease_a_real_quota() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let out = demo(
+        &[
+            &["--redis", &url, "--headless", "--json", "--duration", "5s"],
+            FAST,
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{out:?}");
+    let summary: Value = serde_json::from_str(&stdout(&out)).expect("one JSON object");
+    assert_eq!(summary["store"], "redis");
+    let column = |name: &str| -> &Value {
+        summary["semantics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["semantics"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {summary}"))
+    };
+    let int = |v: &Value| v.as_i64().unwrap_or_else(|| panic!("not an integer: {v}"));
+
+    let counter = column("counter");
+    assert_eq!(int(&counter["leaked_at_end"]), 4, "{counter}");
+    assert_eq!(int(&counter["min_available"]), 0);
+    assert!(counter["time_to_recover_ms"].is_null());
+    // The leak is in Redis itself, for anyone to see with redis-cli.
+    let key = server.command(&["GET", "leasehold-demo:{counter}:count"]);
+    assert_eq!(key.as_string().as_deref(), Some("4"));
+
+    let ttl_counter = column("ttl-counter");
+    assert!(int(&ttl_counter["over_admitted"]) >= 1, "{ttl_counter}");
+    assert!(int(&ttl_counter["peak_running"]) > 4, "{ttl_counter}");
+
+    let lease = column("lease");
+    assert_eq!(int(&lease["over_admitted"]), 0, "{lease}");
+    assert!(int(&lease["peak_running"]) <= 4);
+    assert!(
+        int(&lease["crashes"]) >= 3,
+        "the run must crash tasks: {lease}"
+    );
+    assert_eq!(int(&lease["leaked_at_end"]), 0);
+    let bound = 500 + int(&summary["heartbeat_ms"]) as u64 + RECOVERY_TOLERANCE_MS;
+    let worst = int(&lease["time_to_recover_ms"]) as u64;
+    assert!(
+        worst <= bound,
+        "a crashed lease took {worst} ms (bound {bound} ms)"
+    );
+    let leases = server.command(&["ZCARD", "leasehold:{demo}:leases"]);
+    assert_eq!(
+        leases.as_int(),
+        Some(0),
+        "the quota `demo` is empty at the end"
+    );
+}
+
+#[test]
+fn bad_settings_are_usage_errors() {
+    for args in [
+        &["--headless", "--limit", "0"][..],
+        &["--headless", "--crash-probability", "2"],
+        &["--json"],
+    ] {
+        let out = demo(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("leasehold: "), "{args:?}: {err}");
+    }
+}
