@@ -4,8 +4,10 @@
 //!
 //! ```text
 //! chaos_worker url=URL quota=NAME limit=N ttl_ms=MS worker=K gen=G run_ms=MS
-//!              hold_ms=MIN-MAX log=PATH quiet=PATH [seed=S]
+//!              hold_ms=MIN-MAX log=PATH quiet=PATH [seed=S] [policy=closed|open|degrade:N]
 //! ```
+//!
+//! `policy` is the quota's [`BackendDownPolicy`] (default `closed`: fail closed).
 //!
 //! Loop until `run_ms` has passed: unless the file `quiet` exists, acquire the task id
 //! `w{K}.{G}-{SEQ}` (SEQ counts up; a retry after an error or a timed-out wait keeps the same id,
@@ -17,12 +19,13 @@
 //!
 //! ```text
 //! begin PID T                     the process started
-//! start ID TOKEN T HOLD_MS        the lease was granted; protected work starts now
+//! start ID TOKEN T HOLD_MS        the lease was granted; protected work starts now (TOKEN 0:
+//!                                 granted locally by the backend-down policy)
 //! work ID START END OUTCOME       protected work ran from START to END; OUTCOME is completed,
 //!                                 cancelled, or lost-<reason> (expired, local-deadline, ...)
 //! cancel ID T                     the cancel was observed (lost() fired with Cancelled)
-//! stale ID T                      the work finished while the library still called the lease
-//!                                 held although its local deadline had passed
+//! stale ID T                      the work finished while `is_held()` still said true although
+//!                                 the lease's local deadline had passed (a library bug)
 //! refused ID T                    the acquire was refused: the task was cancelled before it ran
 //! error T KIND MESSAGE            a call failed (KIND: connect, acquire, release)
 //! idle PHASE T                    the quiet file appeared (its content is PHASE); no new work
@@ -34,15 +37,17 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use leasehold::{Error, Lease, LostReason, Quota, RedisBackend};
+use leasehold::{BackendDownPolicy, Error, Lease, LostReason, Quota, RedisBackend};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 
 /// Work runs in chunks of at most this long, checking the lease between them.
 const CHUNK: Duration = Duration::from_millis(20);
-/// How long one acquire waits before the worker looks at the quiet file again.
-const ACQUIRE_WAIT: Duration = Duration::from_millis(300);
+/// How long one acquire waits before the worker looks at the quiet file again. Longer than the
+/// backend's call timeout (1 s), so that an acquire during an outage ends with the
+/// backend-down policy's answer rather than with this wait.
+const ACQUIRE_WAIT: Duration = Duration::from_millis(1500);
 /// Pause after a failed call, so a dead backend is not hammered.
 const ERROR_BACKOFF: Duration = Duration::from_millis(50);
 /// How often an idle (quiet) worker looks at the quiet file.
@@ -71,6 +76,7 @@ struct Args {
     log: PathBuf,
     quiet: PathBuf,
     seed: u64,
+    policy: BackendDownPolicy,
 }
 
 impl Args {
@@ -100,6 +106,15 @@ impl Args {
             .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
             .filter(|(a, b)| a <= b)
             .unwrap_or_else(|| panic!("hold_ms={hold:?} is not MIN-MAX"));
+        let optional = |key: &str| pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+        let policy = match optional("policy").as_deref() {
+            None | Some("closed") => BackendDownPolicy::FailClosed,
+            Some("open") => BackendDownPolicy::FailOpen,
+            Some(other) => match other.strip_prefix("degrade:").map(str::parse) {
+                Some(Ok(share)) => BackendDownPolicy::DegradeLocal { share },
+                _ => panic!("policy={other:?} is not closed, open or degrade:N"),
+            },
+        };
         let worker = num("worker") as u32;
         let generation = num("gen") as u32;
         Args {
@@ -113,12 +128,9 @@ impl Args {
             hold_ms: (lo, hi),
             log: get("log").into(),
             quiet: get("quiet").into(),
-            seed: pairs
-                .iter()
-                .find(|(k, _)| k == "seed")
-                .and_then(|(_, v)| v.parse().ok())
-                .unwrap_or(0)
+            seed: optional("seed").and_then(|v| v.parse().ok()).unwrap_or(0)
                 ^ (u64::from(worker) << 32 | u64::from(generation)),
+            policy,
         }
     }
 }
@@ -159,7 +171,8 @@ fn outcome(reason: &LostReason) -> &'static str {
 async fn work(lease: &Lease, hold: Duration) -> (&'static str, u128, bool) {
     let until = Instant::now() + hold;
     loop {
-        if let Some(reason) = lease.lost_reason() {
+        if !lease.is_held() {
+            let reason = lease.lost_reason().unwrap_or(LostReason::LocalDeadline);
             return (outcome(&reason), monotonic_ns(), false);
         }
         let now = Instant::now();
@@ -182,6 +195,7 @@ async fn connect(args: &Args, record: &mut Record, end: Instant) -> Option<Quota
                 let quota = Quota::builder(args.quota.as_str())
                     .limit(args.limit)
                     .ttl(args.ttl)
+                    .when_backend_down(args.policy)
                     .backend(backend)
                     .build()
                     .unwrap_or_else(|e| panic!("bad quota settings: {e}"));

@@ -13,7 +13,8 @@
 //! ```
 //!
 //! `LEASEHOLD_CHAOS_SEED=N` replays a run's random choices; `LEASEHOLD_CHAOS_REPORT=FILE` also
-//! writes the markdown table there; `LEASEHOLD_CHAOS_KEEP_LOGS=1` keeps the worker logs.
+//! writes the markdown table there; `LEASEHOLD_CHAOS_KEEP_LOGS=1` keeps the worker logs (and the
+//! test's own timeline, `phases.txt`); `LEASEHOLD_CHAOS_ONLY=3a-fast,6b` runs only some phases.
 
 mod chaos {
     pub mod checker;
@@ -64,27 +65,67 @@ fn chaos_suite() {
         rng: Rng::new(seed),
     };
     let ttl = settings.ttl;
-    let records = vec![
-        scenarios::kills(&mut fleet, &ops, &mut plan),
-        scenarios::pause_worker(&mut fleet, &ops, &mut plan),
-        scenarios::restart(&mut fleet, &ops, &mut plan, ttl * 3 / 2),
-        scenarios::restart(&mut fleet, &ops, &mut plan, Duration::ZERO),
-        scenarios::pause_redis(&mut fleet, &ops, &mut plan),
-        scenarios::partition(&mut fleet, &ops, &mut plan),
-        scenarios::latency(&mut fleet, &ops, &mut plan, Duration::from_millis(100)),
-        scenarios::latency(&mut fleet, &ops, &mut plan, Duration::from_millis(200)),
-        scenarios::cancels(&mut fleet, &ops, &mut plan, CancelPath::PubSub),
-        scenarios::cancels(&mut fleet, &ops, &mut plan, CancelPath::PushesDropped),
-        scenarios::cancels(&mut fleet, &ops, &mut plan, CancelPath::MarkerOnly),
-        mixed::mixed(
-            &mut fleet,
-            &ops,
-            &mut plan,
-            Duration::from_secs(if long { 60 } else { 12 }),
-            seed,
+    let mixed_length = Duration::from_secs(if long { 60 } else { 12 });
+    type Run = Box<dyn Fn(&mut Fleet, &Ops, &mut Plan) -> chaos::phase::PhaseRecord>;
+    let phases: Vec<(&str, Run)> = vec![
+        ("1", Box::new(scenarios::kills)),
+        ("2", Box::new(scenarios::pause_worker)),
+        (
+            "3a-slow",
+            Box::new(move |f, o, p| scenarios::restart(f, o, p, ttl * 3 / 2)),
+        ),
+        (
+            "3a-fast",
+            Box::new(|f, o, p| scenarios::restart(f, o, p, Duration::ZERO)),
+        ),
+        ("3b", Box::new(scenarios::pause_redis)),
+        ("4", Box::new(scenarios::partition)),
+        (
+            "5",
+            Box::new(|f, o, p| scenarios::latency(f, o, p, Duration::from_millis(100))),
+        ),
+        (
+            "5b",
+            Box::new(|f, o, p| scenarios::latency(f, o, p, Duration::from_millis(200))),
+        ),
+        (
+            "6a",
+            Box::new(|f, o, p| scenarios::cancels(f, o, p, CancelPath::PubSub)),
+        ),
+        (
+            "6b",
+            Box::new(|f, o, p| scenarios::cancels(f, o, p, CancelPath::PushesDropped)),
+        ),
+        (
+            "6c",
+            Box::new(|f, o, p| scenarios::cancels(f, o, p, CancelPath::MarkerOnly)),
+        ),
+        (
+            "8-open",
+            Box::new(|f, o, _| scenarios::outage_policy(f, o, "open")),
+        ),
+        (
+            "8-degrade",
+            Box::new(|f, o, _| scenarios::outage_policy(f, o, "degrade:1")),
+        ),
+        (
+            "7",
+            Box::new(move |f, o, p| mixed::mixed(f, o, p, mixed_length, seed)),
         ),
     ];
+    // LEASEHOLD_CHAOS_ONLY=3a-fast,6b runs only those phases (while debugging one).
+    let only = std::env::var("LEASEHOLD_CHAOS_ONLY").ok();
+    let wanted = |key: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|k| k == key))
+    };
+    let records: Vec<_> = phases
+        .iter()
+        .filter(|(key, _)| wanted(key))
+        .map(|(_, run)| run(&mut fleet, &ops, &mut plan))
+        .collect();
 
+    fleet.note("phases.txt", &format!("{records:#?}"));
     let logs = fleet.logs();
     let intervals = record::intervals(&logs, &fleet.kills, now_ns());
     let limit = settings.limit as usize;

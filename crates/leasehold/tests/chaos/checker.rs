@@ -42,12 +42,17 @@ pub struct Stats {
     pub cancel_missed: usize,
     /// Work started inside an outage or by an isolated worker inside its isolation.
     pub admissions_cut: usize,
+    /// Work granted locally by the backend-down policy (no Redis): during an outage, and after
+    /// Redis was back (the short-circuit still open).
+    pub local_grants: (usize, usize),
     /// Per holder caught by an outage or isolation: ms from the cut to the end of its work.
     pub cut_to_stop_ms: Vec<f64>,
     /// Per paused holder: ms from SIGCONT to the end of its work.
     pub resume_to_stop_ms: Vec<f64>,
     /// Work started after the last fault was lifted.
     pub after_lift: usize,
+    /// ms from the last fault's end to the first work started after it.
+    pub recovery_ms: Option<f64>,
     /// Work completed while the library still said "held" after the local deadline.
     pub stale: usize,
     /// Failed calls the workers logged.
@@ -124,10 +129,15 @@ pub fn check(
             _ => s.lost += 1,
         }
     }
-    s.after_lift = within
+    let after: Vec<&&Interval> = within
         .iter()
         .filter(|i| i.start >= record.faults_lifted)
-        .count();
+        .collect();
+    s.after_lift = after.len();
+    s.recovery_ms = after
+        .iter()
+        .map(|i| ms(i.start - record.faults_lifted))
+        .reduce(f64::min);
     over_limit(&mut s, record, &within, limit);
     reuse(&mut s, record, &within, limit);
     cuts(&mut s, record, &within);
@@ -188,6 +198,15 @@ fn cuts(s: &mut Stats, record: &PhaseRecord, within: &[&Interval]) {
         .map(|(w, must_stop)| (None, *w, *must_stop))
         .chain(record.isolated.iter().map(|(k, w)| (Some(*k), *w, true)))
         .collect();
+    for (w, _) in &record.outages {
+        for i in within.iter().filter(|i| i.local) {
+            if w.contains(i.start) {
+                s.local_grants.0 += 1;
+            } else if i.start >= w.end {
+                s.local_grants.1 += 1;
+            }
+        }
+    }
     for (who, w, must_stop) in everyone {
         let concerned = within.iter().filter(|i| who.is_none_or(|k| i.worker == k));
         for i in concerned {
@@ -233,7 +252,7 @@ pub fn violations(
     if s.open != 0 {
         v.push(format!("{name}: {} intervals with no recorded end", s.open));
     }
-    if s.admissions_cut != 0 {
+    if s.admissions_cut != 0 && !record.policy_admits {
         v.push(format!(
             "{name}: {} admissions while Redis was unreachable",
             s.admissions_cut
@@ -304,6 +323,7 @@ mod tests {
             id: format!("w{worker}-{start}"),
             start: start * MS,
             end: end * MS,
+            local: false,
             outcome: "completed".into(),
         }
     }
@@ -320,6 +340,7 @@ mod tests {
             paused: Vec::new(),
             kills: Vec::new(),
             cancels: Vec::new(),
+            policy_admits: false,
             no_loss_expected: false,
             leak: Leak::default(),
         }
@@ -346,5 +367,38 @@ mod tests {
             s.unexplained_over_ms
         );
         assert_eq!(s.completed, 5);
+    }
+
+    #[test]
+    fn leaks_admissions_during_a_cut_and_slow_stops_are_violations() {
+        let mut r = record(Vec::new());
+        r.outages.push((Window::new(100 * MS, 300 * MS), true));
+        r.leak = Leak {
+            zcard: 1,
+            live: 1,
+            probes_admitted: 1,
+            zcard_after: 1,
+        };
+        let all = [
+            interval(0, 50, 1500), // running at the cut, ran on 1400 ms (> ttl 1 s)
+            interval(1, 200, 250), // started inside the outage
+            interval(2, 400, 450), // after it: recovery
+        ];
+        let s = check(&r, &all, &[], 3, 2);
+        assert_eq!(s.admissions_cut, 1);
+        assert_eq!(s.cut_to_stop_ms, vec![1400.0]);
+        assert_eq!(s.after_lift, 3);
+        let v = violations(
+            &r,
+            &s,
+            2,
+            Duration::from_secs(1),
+            Duration::from_millis(333),
+        );
+        let text = v.join("\n");
+        assert_eq!(v.len(), 3, "{text}");
+        assert!(text.contains("leaked"), "{text}");
+        assert!(text.contains("while Redis was unreachable"), "{text}");
+        assert!(text.contains("over one ttl"), "{text}");
     }
 }

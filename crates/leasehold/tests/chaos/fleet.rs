@@ -60,6 +60,8 @@ pub struct Fleet {
     logs: Vec<(usize, u32, PathBuf)>,
     /// Every SIGKILL sent to a worker.
     pub kills: Vec<Kill>,
+    /// The workers' backend-down policy (`closed`, `open`, `degrade:N`).
+    policy: String,
 }
 
 /// How long a run of the worker may last; the test stops them long before.
@@ -113,6 +115,7 @@ impl Fleet {
             procs: Vec::new(),
             logs: Vec::new(),
             kills: Vec::new(),
+            policy: "closed".into(),
             settings,
         };
         for worker in 0..fleet.settings.workers {
@@ -141,6 +144,7 @@ impl Fleet {
             format!("log={}", log.display()),
             format!("quiet={}", self.quiet_file().display()),
             format!("seed={}", s.seed),
+            format!("policy={}", self.policy),
         ];
         let child = Command::new(worker_path())
             .args(&args)
@@ -171,6 +175,15 @@ impl Fleet {
         let next = self.spawn(slot, kill.generation + 1);
         self.procs[slot] = next;
         kill
+    }
+
+    /// Replaces every worker by a new generation with the backend-down `policy`. Call it while
+    /// the fleet is quiet, so that no one is killed while holding.
+    pub fn respawn_all(&mut self, policy: &str) {
+        self.policy = policy.into();
+        for slot in 0..self.procs.len() {
+            self.kill_and_respawn(slot);
+        }
     }
 
     /// SIGSTOPs the worker in `slot`.
@@ -280,6 +293,11 @@ impl Fleet {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Keeps `text` beside the worker logs (kept with `LEASEHOLD_CHAOS_KEEP_LOGS=1`).
+    pub fn note(&self, name: &str, text: &str) {
+        let _ = std::fs::write(self.dir.join(name), text);
     }
 
     /// Runs `f` on every proxy.

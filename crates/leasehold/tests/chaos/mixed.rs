@@ -19,6 +19,16 @@ enum Undo {
     RedisResume,
 }
 
+/// What starting a drawn fault did.
+enum Injected {
+    /// Nothing fitted (no holder with enough work left, say).
+    Skipped,
+    /// Done, over at once.
+    Done,
+    /// Done, and lasts until undone.
+    Lasting(Undo),
+}
+
 /// What the schedule can draw.
 const ACTIONS: [&str; 8] = [
     "kill",
@@ -75,9 +85,10 @@ pub fn mixed(
             let redis_down = pending
                 .iter()
                 .any(|(_, u, _)| matches!(u, Undo::RedisResume));
-            if let Some(undo) = inject(
+            let injected = inject(
                 fleet, ops, &mut p, plan, action, &busy, latency_on, redis_down,
-            ) {
+            );
+            if let Injected::Lasting(undo) = injected {
                 let lasts = match undo {
                     Undo::LatencyOff => Duration::from_secs(2),
                     Undo::RedisResume => ttl * 6 / 5,
@@ -85,7 +96,9 @@ pub fn mixed(
                 };
                 pending.push((Instant::now() + lasts, undo, now_ns()));
             }
-            *counts.entry(action).or_default() += 1;
+            if !matches!(injected, Injected::Skipped) {
+                *counts.entry(action).or_default() += 1;
+            }
             next = now + Duration::from_millis(600 + plan.rng.below(800));
         }
         let wake = pending
@@ -106,7 +119,7 @@ pub fn mixed(
     p.finish(fleet, ops)
 }
 
-/// Starts `action`; returns how to end it if it lasts.
+/// Starts `action`; says whether it did, and how to end it if it lasts.
 #[allow(clippy::too_many_arguments)]
 fn inject(
     fleet: &mut Fleet,
@@ -117,7 +130,7 @@ fn inject(
     busy: &[usize],
     latency_on: bool,
     redis_down: bool,
-) -> Option<Undo> {
+) -> Injected {
     let holder = |min_left: i64| {
         fleet
             .holders()
@@ -131,54 +144,57 @@ fn inject(
         free.get(rng.below(free.len().max(1) as u64) as usize)
             .copied()
     };
+    let lasting = |undo: Option<Undo>| undo.map_or(Injected::Skipped, Injected::Lasting);
     match action {
-        "kill" => {
-            let victim = holder(50)?;
+        "kill" => match holder(50) {
             // Not a reuse measurement: other faults overlap; the kill still ends its interval.
-            fleet.kill_and_respawn(victim.worker);
-            None
-        }
-        "pause" => {
-            let victim = holder(100)?;
+            Some(victim) => {
+                fleet.kill_and_respawn(victim.worker);
+                Injected::Done
+            }
+            None => Injected::Skipped,
+        },
+        "pause" => lasting(holder(100).map(|victim| {
             fleet.pause(victim.worker);
-            Some(Undo::Resume(victim.worker))
-        }
-        "partition" => {
-            let k = idle_slot(&mut plan.rng)?;
+            Undo::Resume(victim.worker)
+        })),
+        "partition" => lasting(idle_slot(&mut plan.rng).map(|k| {
             fleet.proxies[k].partition(true);
-            Some(Undo::Heal(k))
-        }
-        "stall" => {
-            let k = idle_slot(&mut plan.rng)?;
+            Undo::Heal(k)
+        })),
+        "stall" => lasting(idle_slot(&mut plan.rng).map(|k| {
             fleet.proxies[k].stall(true);
-            Some(Undo::Unstall(k))
-        }
+            Undo::Unstall(k)
+        })),
         "latency" if !latency_on => {
             fleet.each_proxy(|proxy| proxy.set_latency(Duration::from_millis(100)));
-            Some(Undo::LatencyOff)
+            Injected::Lasting(Undo::LatencyOff)
         }
         "drop-connections" => {
             fleet.each_proxy(|proxy| proxy.drop_connections());
-            None
+            Injected::Done
         }
         "cancel" | "cancel-marker" if !redis_down => {
-            let victim = holder(600)?;
+            let Some(victim) = holder(600) else {
+                return Injected::Skipped;
+            };
             let at = now_ns();
             let sent = if action == "cancel" {
                 ops.cancel(&victim.id)
             } else {
                 ops.cancel_marker_only(&fleet.server, &victim.id)
             };
-            if sent {
-                p.record().cancels.push(Cancel { id: victim.id, at });
+            if !sent {
+                return Injected::Skipped;
             }
-            None
+            p.record().cancels.push(Cancel { id: victim.id, at });
+            Injected::Done
         }
         "redis-pause" => {
             fleet.server.pause();
-            Some(Undo::RedisResume)
+            Injected::Lasting(Undo::RedisResume)
         }
-        _ => None,
+        _ => Injected::Skipped,
     }
 }
 

@@ -51,6 +51,8 @@ pub struct Interval {
     pub start: Ns,
     /// When it stopped.
     pub end: Ns,
+    /// Granted by the backend-down policy without Redis (fencing token 0).
+    pub local: bool,
     /// `completed`, `cancelled`, `lost-*`, `killed` (the process was SIGKILLed while working),
     /// or `open` (no end recorded and no kill known: a checker error).
     pub outcome: String,

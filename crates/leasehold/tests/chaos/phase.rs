@@ -32,6 +32,9 @@ pub struct PhaseRecord {
     pub kills: Vec<Kill>,
     /// Cancels issued for running tasks.
     pub cancels: Vec<Cancel>,
+    /// Whether the workers' backend-down policy admits while Redis cannot answer (admissions
+    /// during an outage are then counted, not a failure).
+    pub policy_admits: bool,
     /// Whether every lease must survive the phase (no loss is expected from its fault).
     pub no_loss_expected: bool,
     /// The end-of-phase check.
@@ -60,6 +63,7 @@ impl Phase {
                 paused: Vec::new(),
                 kills: Vec::new(),
                 cancels: Vec::new(),
+                policy_admits: false,
                 no_loss_expected: false,
                 leak: Leak::default(),
             },

@@ -10,6 +10,8 @@ pub enum Line {
     Start {
         /// Task id.
         id: String,
+        /// Fencing token (0: granted locally by the backend-down policy).
+        token: u64,
         /// When work started.
         at: Ns,
         /// Planned length of the work.
@@ -63,6 +65,7 @@ pub fn parse(text: &str) -> Vec<Line> {
         match f[0] {
             "start" => lines.push(Line::Start {
                 id: word(1),
+                token: ns(2) as u64,
                 at: ns(3),
                 hold_ms: ns(4) as u64,
             }),
@@ -104,7 +107,9 @@ impl WorkerLog {
             .rev()
             .find(|l| matches!(l, Line::Start { .. } | Line::Work { .. }))
         {
-            Some(Line::Start { id, at, hold_ms }) => Some((id.clone(), *at, *hold_ms)),
+            Some(Line::Start {
+                id, at, hold_ms, ..
+            }) => Some((id.clone(), *at, *hold_ms)),
             _ => None,
         }
     }
@@ -121,9 +126,13 @@ pub fn intervals(logs: &[WorkerLog], kills: &[Kill], now: Ns) -> Vec<Interval> {
     let mut out = Vec::new();
     for log in logs {
         let mut open: Option<(String, Ns)> = None;
+        let mut local = false;
         for line in &log.lines {
             match line {
-                Line::Start { id, at, .. } => open = Some((id.clone(), *at)),
+                Line::Start { id, at, token, .. } => {
+                    open = Some((id.clone(), *at));
+                    local = *token == 0;
+                }
                 Line::Work {
                     id,
                     start,
@@ -137,6 +146,7 @@ pub fn intervals(logs: &[WorkerLog], kills: &[Kill], now: Ns) -> Vec<Interval> {
                         id: id.clone(),
                         start: *start,
                         end: *end,
+                        local,
                         outcome: outcome.clone(),
                     });
                 }
@@ -153,6 +163,7 @@ pub fn intervals(logs: &[WorkerLog], kills: &[Kill], now: Ns) -> Vec<Interval> {
                 id,
                 start,
                 end: kill.map_or(now, |k| k.at.max(start)),
+                local,
                 outcome: if kill.is_some() { "killed" } else { "open" }.into(),
             });
         }

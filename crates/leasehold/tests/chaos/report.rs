@@ -26,8 +26,8 @@ fn max_of(values: &[f64]) -> String {
 /// The header of the table.
 pub fn header() -> String {
     [
-        "| phase | fault | work: done / lost / cancelled / killed | max running | over limit ms: total / worst / unexplained | leaked: live / ZCARD → after reap | crash→reuse ms p50 / max (n) | cancel→stop ms p50 / max (n) | admissions while cut off | cut→stop ms max | SIGCONT→stop ms max | stale `held` | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| phase | fault | work: done / lost / cancelled / killed | max running | over limit ms: total / worst / unexplained | leaked: live / ZCARD → after reap | crash→reuse ms p50 / max (n) | cancel→stop ms p50 / max (n) | admissions while cut off | local grants: during / after outage | cut→stop ms max | SIGCONT→stop ms max | lift→first work ms | stale `held` | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     .join("\n")
 }
@@ -41,7 +41,7 @@ pub fn row(record: &PhaseRecord, s: &Stats, violations: usize) -> String {
         String::new()
     };
     format!(
-        "| {} | {} | {} / {} / {} / {} | {} | {:.0} / {:.0} / {:.0} | {} / {} → {} | {} | {}{} | {} | {} | {} | {} | {} |",
+        "| {} | {} | {} / {} / {} / {} | {} | {:.0} / {:.0} / {:.0} | {} / {} → {} | {} | {}{} | {} | {} / {} | {} | {} | {} | {} | {} |",
         record.name,
         record.fault,
         s.completed,
@@ -59,8 +59,11 @@ pub fn row(record: &PhaseRecord, s: &Stats, violations: usize) -> String {
         spread(&s.cancel_ms),
         missed,
         s.admissions_cut,
+        s.local_grants.0,
+        s.local_grants.1,
         max_of(&s.cut_to_stop_ms),
         max_of(&s.resume_to_stop_ms),
+        s.recovery_ms.map_or("–".into(), |m| format!("{m:.0}")),
         s.stale,
         if violations == 0 { "ok".to_string() } else { format!("**{violations} broken**") },
     )

@@ -30,6 +30,9 @@ impl Plan {
 const WARM_UP: Duration = Duration::from_millis(1000);
 /// Time it works after the last fault, to show it recovered.
 const RECOVERY: Duration = Duration::from_millis(1500);
+/// The same after Redis lost its data: the short-circuit's cool-down (up to 1.5 s) and the
+/// one-ttl quarantine come first.
+const RECOVERY_AFTER_LOSS: Duration = Duration::from_millis(3500);
 /// How long to wait for a worker to be holding.
 const FIND_HOLDER: Duration = Duration::from_secs(3);
 
@@ -121,7 +124,7 @@ pub fn restart(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, down: Duration) ->
             Window::new(start, back + ttl),
             "restart without persistence",
         ));
-        run_for(RECOVERY);
+        run_for(RECOVERY_AFTER_LOSS);
     }
     p.finish(fleet, ops)
 }
@@ -245,4 +248,35 @@ pub fn cancels(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, path: CancelPath) 
     p.lifted();
     run_for(RECOVERY);
     p.finish(fleet, ops)
+}
+
+/// 8: Redis down for 1.5 x ttl with the whole fleet on the backend-down `policy` (`open` or
+/// `degrade:N`): what the policy admits while Redis cannot answer. The fleet goes back to
+/// failing closed afterwards.
+pub fn outage_policy(fleet: &mut Fleet, ops: &Ops, policy: &str) -> PhaseRecord {
+    fleet.respawn_all(policy);
+    let name = format!("8-outage-{}", policy.replace(':', ""));
+    let fault = format!("Redis down 1.5 x ttl, workers on policy {policy}");
+    let mut p = Phase::begin(fleet, &name, &fault);
+    p.record().policy_admits = true;
+    run_for(WARM_UP);
+    let start = now_ns();
+    fleet.server.kill();
+    run_for(fleet.settings.ttl * 3 / 2);
+    fleet.server.restart();
+    let back = now_ns();
+    p.lifted();
+    // The short-circuit may stay open up to 1.5 x its 1 s cool-down after Redis is back, and
+    // local leases granted until then run to their end.
+    let tail = nanos(Duration::from_millis(1500 + fleet.settings.hold_ms.1 + 300));
+    let r = p.record();
+    r.outages.push((Window::new(start, back), true));
+    r.allowed.push((
+        Window::new(start, back + tail),
+        "policy admits while Redis is down",
+    ));
+    run_for(RECOVERY_AFTER_LOSS);
+    let record = p.finish(fleet, ops);
+    fleet.respawn_all("closed");
+    record
 }
