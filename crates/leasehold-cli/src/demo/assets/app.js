@@ -130,7 +130,7 @@ function drawGrid(col, s, limit) {
   const note = col.querySelector(".gridnote");
   note.innerHTML = s
     ? "count <b>" + s.counted + "</b> · available <b>" + s.available + "</b> · running <b>" +
-      running + "</b> · crashed, still counted <b>" + crashed + "</b>"
+      running + "</b> · held by crashed <b>" + crashed + "</b>"
     : "count <b>0</b> · available <b>" + limit + "</b>";
 }
 
