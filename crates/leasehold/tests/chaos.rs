@@ -70,6 +70,7 @@ fn chaos_suite() {
     let phases: Vec<(&str, Run)> = vec![
         ("1", Box::new(scenarios::kills)),
         ("2", Box::new(scenarios::pause_worker)),
+        ("2-short", Box::new(scenarios::pause_worker_short)),
         (
             "3a-slow",
             Box::new(move |f, o, p| scenarios::restart(f, o, p, ttl * 3 / 2)),
@@ -79,6 +80,7 @@ fn chaos_suite() {
             Box::new(|f, o, p| scenarios::restart(f, o, p, Duration::ZERO)),
         ),
         ("3b", Box::new(scenarios::pause_redis)),
+        ("3c", Box::new(scenarios::busy_redis)),
         ("4", Box::new(scenarios::partition)),
         (
             "5",

@@ -57,6 +57,8 @@ pub struct Stats {
     pub stale: usize,
     /// Failed calls the workers logged.
     pub errors: usize,
+    /// Of those, errors reported as misconfiguration (never right for a transient fault).
+    pub misconfigured: usize,
 }
 
 fn ms(ns: Ns) -> f64 {
@@ -151,7 +153,12 @@ pub fn check(
     for line in logs.iter().flat_map(|l| &l.lines) {
         match line {
             Line::Stale { at } if span.contains(*at) => s.stale += 1,
-            Line::Error { at, .. } if record.window.contains(*at) => s.errors += 1,
+            Line::Error { at, message, .. } if record.window.contains(*at) => {
+                s.errors += 1;
+                if message.starts_with("misconfigured") {
+                    s.misconfigured += 1;
+                }
+            }
             _ => {}
         }
     }
@@ -296,6 +303,12 @@ pub fn violations(
     }
     if !record.kills.is_empty() && s.reuse_ms.is_empty() {
         v.push(format!("{name}: no kill hit a holder, nothing measured"));
+    }
+    if s.misconfigured != 0 {
+        v.push(format!(
+            "{name}: {} transient failures reported as misconfiguration",
+            s.misconfigured
+        ));
     }
     if record.no_loss_expected && s.lost != 0 {
         v.push(format!(

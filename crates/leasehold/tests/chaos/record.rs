@@ -39,6 +39,8 @@ pub enum Line {
         at: Ns,
         /// Which call: connect, acquire or release.
         kind: String,
+        /// The error's text.
+        message: String,
     },
     /// `idle PHASE T`
     Idle {
@@ -79,6 +81,7 @@ pub fn parse(text: &str) -> Vec<Line> {
             "error" => lines.push(Line::Error {
                 at: ns(1),
                 kind: word(2),
+                message: f.get(3..).map(|rest| rest.join(" ")).unwrap_or_default(),
             }),
             "idle" => lines.push(Line::Idle { phase: word(1) }),
             _ => {}

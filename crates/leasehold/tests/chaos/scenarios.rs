@@ -94,6 +94,26 @@ pub fn pause_worker(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecor
     p.finish(fleet, ops)
 }
 
+/// 2 (short): SIGSTOP a holder for a third of the ttl, less than its lease has left: the lease
+/// must survive (no false expiry, no self-fencing).
+pub fn pause_worker_short(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+    let mut p = Phase::begin(fleet, "2-pause-short", "SIGSTOP a holder for ttl / 3");
+    p.record().no_loss_expected = true;
+    run_for(WARM_UP);
+    for _ in 0..plan.rounds(2, 6) {
+        let Some(holder) = fleet.wait_for_holder(600, &[], FIND_HOLDER) else {
+            continue;
+        };
+        fleet.pause(holder.worker);
+        run_for(fleet.settings.ttl / 3);
+        fleet.resume(holder.worker);
+        p.lifted();
+        run_for(Duration::from_millis(700));
+    }
+    run_for(RECOVERY);
+    p.finish(fleet, ops)
+}
+
 /// 3a: Redis killed and restarted empty (no persistence), after `down`.
 pub fn restart(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, down: Duration) -> PhaseRecord {
     let fast = down < fleet.settings.ttl;
@@ -138,6 +158,52 @@ pub fn pause_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord
         fleet.server.pause();
         run_for(fleet.settings.ttl * 3 / 2);
         fleet.server.resume();
+        let end = now_ns();
+        p.lifted();
+        p.record().outages.push((Window::new(start, end), true));
+        run_for(RECOVERY);
+    }
+    p.finish(fleet, ops)
+}
+
+/// 3c: a script keeps Redis busy for 1.5 x ttl; every other client gets `BUSY` meanwhile.
+pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+    let mut p = Phase::begin(
+        fleet,
+        "3c-busy-redis",
+        "a script keeps Redis BUSY for 1.5 x ttl",
+    );
+    let server = &fleet.server;
+    let threshold = server.command(&["CONFIG", "SET", "busy-reply-threshold", "100"]);
+    assert_eq!(
+        threshold.as_string().as_deref(),
+        Some("OK"),
+        "{threshold:?}"
+    );
+    run_for(WARM_UP);
+    for _ in 0..plan.rounds(1, 3) {
+        let start = now_ns();
+        std::thread::scope(|scope| {
+            let script = scope.spawn(|| {
+                // Read-only, so SCRIPT KILL may stop it; TIME-free, so it runs on any version.
+                let args = ["EVAL", "while true do end", "0"];
+                server.try_command_timeout(&args, Duration::from_secs(10))
+            });
+            run_for(fleet.settings.ttl * 3 / 2);
+            let end = std::time::Instant::now() + Duration::from_secs(5);
+            while server
+                .try_command(&["SCRIPT", "KILL"])
+                .is_ok_and(|r| r.is_error_starting_with("NOTBUSY"))
+                && std::time::Instant::now() < end
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let reply = script.join().expect("the script thread");
+            assert!(
+                matches!(&reply, Ok(r) if r.is_error_starting_with("ERR Script killed")),
+                "the busy script ended with {reply:?}"
+            );
+        });
         let end = now_ns();
         p.lifted();
         p.record().outages.push((Window::new(start, end), true));
