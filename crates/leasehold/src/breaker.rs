@@ -26,7 +26,9 @@ pub struct BreakerConfig {
     /// Consecutive transient failures (errors or timeouts) that open the circuit. Default 3.
     pub failures_to_open: u32,
     /// How long the circuit stays open before a probe, jittered between half and one and a half
-    /// of it so that a fleet does not reconnect in lockstep. Default 1 s.
+    /// of it so that a fleet does not reconnect in lockstep. Default 1 s. Acquires are answered
+    /// by the backend-down policy until the probe succeeds: up to 1.5 × this after the backend
+    /// is back (a renewal that gets through closes the circuit sooner).
     pub cool_down: Duration,
 }
 

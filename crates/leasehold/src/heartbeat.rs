@@ -2,7 +2,6 @@
 //! this process with one backend call per heartbeat interval, and fires `lost` at each lease's
 //! local deadline when renewals cannot get through.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -20,7 +19,6 @@ pub(crate) fn start(shared: &Arc<Shared>) {
 }
 
 async fn run(shared: Weak<Shared>, changed: Arc<tokio::sync::Notify>) {
-    let in_flight = Arc::new(AtomicBool::new(false));
     let mut next_beat = Instant::now();
     loop {
         let wake_at = {
@@ -37,13 +35,12 @@ async fn run(shared: Weak<Shared>, changed: Arc<tokio::sync::Notify>) {
             if now >= next_beat {
                 next_beat = now + shared.config.heartbeat;
                 let live: Vec<_> = leases.iter().filter(|l| !l.is_lost()).cloned().collect();
-                if !live.is_empty() && !in_flight.swap(true, Ordering::AcqRel) {
-                    let flag = in_flight.clone();
+                if !live.is_empty() {
+                    // Beats may overlap when round trips outlast the interval: renewals are
+                    // idempotent and deadlines only move forward, and each is bounded by its
+                    // leases' local deadline, so at most about ttl / heartbeat are in flight.
                     let shared = shared.clone();
-                    runtime::spawn(async move {
-                        renew(&shared, live).await;
-                        flag.store(false, Ordering::Release);
-                    });
+                    runtime::spawn(async move { renew(&shared, live).await });
                 }
             }
             leases
@@ -65,12 +62,13 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
         .map(|l| (l.task_id.clone(), l.token))
         .collect();
     let sent = Instant::now();
-    // Bounded below the interval too: a hung call must be over before the next beat, so that
-    // beat retries instead of being skipped.
+    // A reply is of use until the local deadline it would grant (sent + ttl − margin) has
+    // passed. Up to then a slow reply still counts: a link whose round trips outlast the
+    // heartbeat must keep its leases.
     let call = shared
         .backend
         .renew(&shared.keys, shared.config.ttl, &pairs);
-    let bound = shared.config.heartbeat.mul_f64(0.8);
+    let bound = shared.config.local_deadline(sent) - sent;
     let reply = match tokio::time::timeout(bound, call).await {
         Ok(reply) => reply,
         Err(_) => Err(Error::BackendUnavailable(format!(

@@ -174,3 +174,24 @@ async fn a_restart_without_persistence_quarantines_admissions_for_one_ttl() {
     assert!(c.fencing_token() > b.fencing_token());
     assert_eq!(newcomer.status().await.unwrap().holders.len(), 2);
 }
+
+#[tokio::test]
+async fn renewals_slower_than_the_heartbeat_but_inside_the_ttl_keep_the_lease() {
+    let server = RedisServer::start();
+    let proxy = leasehold_testkit::proxy::FaultProxy::start(server.port());
+    let backend = RedisBackend::connect(&proxy.url()).await.unwrap();
+    let quota = Quota::builder("slow-link")
+        .limit(1)
+        .ttl(TTL) // heartbeat 333 ms, local deadline 950 ms after a renewal is sent
+        .backend(backend)
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("far").await.unwrap();
+    // Each chunk is delayed both ways: a round trip takes about twice this, above the
+    // heartbeat interval but well inside the ttl.
+    proxy.set_latency(Duration::from_millis(200));
+    tokio::time::sleep(TTL * 3).await;
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    proxy.set_latency(Duration::ZERO);
+    assert_eq!(quota.status().await.unwrap().holders.len(), 1);
+}

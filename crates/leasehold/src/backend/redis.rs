@@ -160,6 +160,12 @@ impl RedisBackend {
             let backend = RedisBackend { inner };
             // Surface authentication and permission problems now, not at the first acquire.
             backend.call_raw(redis::cmd("PING")).await?;
+            // Load every script now: a first renewal that has to go EVALSHA, NOSCRIPT, SCRIPT
+            // LOAD, EVALSHA takes three round trips, which a slow link may not fit in a ttl.
+            for script in [&*ACQUIRE, &*RENEW, &*RELEASE, &*CANCEL, &*SNAPSHOT] {
+                let mut conn = backend.inner.conn.clone();
+                backend.bounded("", script.load_async(&mut conn)).await?;
+            }
             Ok(backend)
         })
         .await
