@@ -806,8 +806,16 @@ fn main() {
         c.per_sec,
         c.mean_hold.as_secs_f64() * 1e3,
     );
+    // Each slot turns over every limit / (cycles/s): the hold, the release call, and the
+    // hand-over to the next holder (release done → next admission, the rest).
+    let slot_cycle_ms = limit / c.per_sec.max(f64::MIN_POSITIVE) * 1e3;
+    let hold_ms = c.mean_hold.as_secs_f64() * 1e3;
+    let release_ms = (c.mean_occupancy - c.mean_hold).as_secs_f64() * 1e3;
+    let handover_ms = slot_cycle_ms - c.mean_occupancy.as_secs_f64() * 1e3;
     println!(
-        "    mean admission→release done {:.3} ms (limit / that = {occupancy_rate:.0}/s)",
+        "    mean admission→release done {:.3} ms (limit / that = {occupancy_rate:.0}/s); \
+         slot turnover {slot_cycle_ms:.3} ms = hold {hold_ms:.3} + release call {release_ms:.3} \
+         + hand-over {handover_ms:.3}",
         c.mean_occupancy.as_secs_f64() * 1e3,
     );
     println!(
@@ -957,6 +965,9 @@ fn main() {
             "nominal_hold_ms": NOMINAL_HOLD.as_secs_f64() * 1e3,
             "mean_hold_ms": round3(c.mean_hold.as_secs_f64() * 1e3),
             "mean_admission_to_release_done_ms": round3(c.mean_occupancy.as_secs_f64() * 1e3),
+            "slot_turnover_ms": round3(slot_cycle_ms),
+            "mean_release_call_ms": round3(release_ms),
+            "mean_handover_ms": round3(handover_ms),
             "cycles_per_sec": c.per_sec.round(),
             "fraction_of_nominal": round3(frac_nominal),
             "fraction_of_measured": round3(frac_measured),
