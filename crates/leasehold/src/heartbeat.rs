@@ -6,6 +6,7 @@ use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use tokio::time::sleep_until;
+use tokio_util::sync::CancellationToken;
 
 use crate::backend::RenewOutcome;
 use crate::error::{Error, LostReason};
@@ -14,11 +15,11 @@ use crate::quota::Shared;
 use crate::runtime;
 
 pub(crate) fn start(shared: &Arc<Shared>) {
-    let changed = shared.registry_changed.clone();
-    runtime::spawn(run(Arc::downgrade(shared), changed));
+    let stop = shared.shutdown.clone();
+    runtime::spawn(run(Arc::downgrade(shared), stop));
 }
 
-async fn run(shared: Weak<Shared>, changed: Arc<tokio::sync::Notify>) {
+async fn run(shared: Weak<Shared>, stop: CancellationToken) {
     let mut next_beat = Instant::now();
     loop {
         let wake_at = {
@@ -51,7 +52,7 @@ async fn run(shared: Weak<Shared>, changed: Arc<tokio::sync::Notify>) {
         };
         tokio::select! {
             _ = sleep_until(wake_at.into()) => {}
-            _ = changed.notified() => {}
+            _ = stop.cancelled() => return,
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rand::Rng;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{AcquireReply, Backend, LeaseRecord};
@@ -58,8 +58,6 @@ pub(crate) struct Shared {
     pub(crate) backend: Arc<dyn Backend>,
     /// Live leases of this quota in this process, by task id.
     registry: Mutex<HashMap<String, Weak<LeaseInner>>>,
-    /// Signalled when a lease joins the registry, so the renewal task re-plans.
-    pub(crate) registry_changed: Arc<Notify>,
     waiters: WaitQueue,
     listening: AtomicBool,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
@@ -127,7 +125,6 @@ impl Quota {
             keys,
             backend,
             registry: Mutex::new(HashMap::new()),
-            registry_changed: Arc::new(Notify::new()),
             waiters: WaitQueue::default(),
             listening: AtomicBool::new(false),
             shutdown: CancellationToken::new(),
@@ -475,7 +472,8 @@ impl Shared {
         drop(registry);
         // `live` may be the last handle of a stale admission: its drop needs the registry.
         drop(live);
-        self.registry_changed.notify_one();
+        // The renewal task needs no wake-up: its next beat (≤ heartbeat away) comes before this
+        // lease's local deadline (ttl − margin away, and the heartbeat is shorter).
         Lease::from_inner(inner)
     }
 
