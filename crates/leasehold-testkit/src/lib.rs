@@ -49,6 +49,18 @@ pub fn free_port() -> u16 {
         .unwrap_or_else(|e| panic!("could not bind 127.0.0.1:0 to find a free port: {e}"))
 }
 
+/// `CLOCK_MONOTONIC` in nanoseconds: unlike `Instant`, comparable across the processes of one
+/// machine, so that worker processes can log intervals a test lines up.
+pub fn monotonic_ns() -> u128 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128
+}
+
 /// Path of a fresh, empty directory under [`std::env::temp_dir`], named
 /// `PREFIX-PID-COUNTER-NANOS`; the caller removes it.
 pub fn temp_dir(prefix: &str) -> PathBuf {

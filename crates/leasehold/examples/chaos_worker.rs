@@ -38,6 +38,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use leasehold::{BackendDownPolicy, Error, Lease, LostReason, Quota, RedisBackend};
+use leasehold_testkit::monotonic_ns;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
@@ -52,16 +53,6 @@ const ACQUIRE_WAIT: Duration = Duration::from_millis(1500);
 const ERROR_BACKOFF: Duration = Duration::from_millis(50);
 /// How often an idle (quiet) worker looks at the quiet file.
 const QUIET_POLL: Duration = Duration::from_millis(20);
-
-fn monotonic_ns() -> u128 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128
-}
 
 /// The command line, as `key=value` pairs.
 struct Args {

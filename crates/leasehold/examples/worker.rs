@@ -16,16 +16,7 @@
 use std::time::Duration;
 
 use leasehold::{Error, Quota, RedisBackend};
-
-fn monotonic_ns() -> u128 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128
-}
+use leasehold_testkit::monotonic_ns;
 
 fn arg(args: &[String], i: usize) -> &str {
     args.get(i)
