@@ -13,6 +13,7 @@ use tokio::task::JoinHandle;
 use crate::error::{Error, Result};
 
 static HANDLE: OnceLock<Handle> = OnceLock::new();
+static THREAD: OnceLock<std::thread::ThreadId> = OnceLock::new();
 
 /// The handle of the process-wide leasehold runtime, started on first use.
 pub(crate) fn handle() -> &'static Handle {
@@ -23,10 +24,11 @@ pub(crate) fn handle() -> &'static Handle {
             .build()
             .expect("leasehold: cannot build its runtime");
         let handle = runtime.handle().clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("leasehold-runtime".into())
             .spawn(move || runtime.block_on(std::future::pending::<()>()))
             .expect("leasehold: cannot spawn its runtime thread");
+        let _ = THREAD.set(thread.thread().id());
         handle
     })
 }
@@ -40,12 +42,21 @@ where
     handle().spawn(fut)
 }
 
-/// Runs `fut` on the leasehold runtime and waits for it from any runtime.
+/// True on the leasehold runtime's own thread.
+fn on_leasehold_thread() -> bool {
+    THREAD.get() == Some(&std::thread::current().id())
+}
+
+/// Runs `fut` on the leasehold runtime and waits for it from any runtime. Already there (a
+/// renewal, an admission attempt), it runs in place: a spawn would only add a hop.
 pub(crate) async fn run<T, F>(fut: F) -> Result<T>
 where
     F: Future<Output = Result<T>> + Send + 'static,
     T: Send + 'static,
 {
+    if on_leasehold_thread() {
+        return fut.await;
+    }
     spawn(fut)
         .await
         .map_err(|e| Error::BackendUnavailable(format!("leasehold runtime task failed: {e}")))?
