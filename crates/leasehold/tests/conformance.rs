@@ -506,10 +506,16 @@ async fn status_lists_holders_with_tokens(fx: Fixture) {
     }
 }
 
-async fn cancel_reaches_the_holder_at_once(fx: Fixture) {
+/// A holder of task "job" (subscribed to events or not) and a canceller on another client.
+async fn holder_and_canceller(
+    fx: &Fixture,
+    heartbeat: Duration,
+    events: bool,
+) -> (leasehold::Lease, leasehold::Quota) {
     let quota = fx
         .builder(1, TTL)
-        .heartbeat(Duration::from_millis(190))
+        .heartbeat(heartbeat)
+        .events(events)
         .build()
         .unwrap();
     let lease = quota.try_acquire("job").await.unwrap();
@@ -518,6 +524,11 @@ async fn cancel_reaches_the_holder_at_once(fx: Fixture) {
         .shared_backend(fx.second_client().await)
         .build()
         .unwrap();
+    (lease, canceller)
+}
+
+async fn cancel_reaches_the_holder_at_once(fx: Fixture) {
+    let (lease, canceller) = holder_and_canceller(&fx, Duration::from_millis(190), true).await;
     let sent = Instant::now();
     assert!(canceller.cancel("job", "user pressed stop").await.unwrap());
     let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
@@ -539,18 +550,7 @@ async fn cancel_reaches_the_holder_at_once(fx: Fixture) {
 async fn cancel_reaches_the_holder_at_its_next_renewal_without_the_message(fx: Fixture) {
     let heartbeat = Duration::from_millis(150);
     // This holder does not subscribe: every cancel message is lost to it.
-    let quota = fx
-        .builder(1, TTL)
-        .heartbeat(heartbeat)
-        .events(false)
-        .build()
-        .unwrap();
-    let lease = quota.try_acquire("job").await.unwrap();
-    let canceller = fx
-        .builder(1, TTL)
-        .shared_backend(fx.second_client().await)
-        .build()
-        .unwrap();
+    let (lease, canceller) = holder_and_canceller(&fx, heartbeat, false).await;
     let sent = Instant::now();
     assert!(canceller.cancel("job", "quota shrink").await.unwrap());
     let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())

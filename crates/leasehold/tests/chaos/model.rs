@@ -8,13 +8,7 @@ pub const MS: Ns = 1_000_000;
 
 /// Now, by `CLOCK_MONOTONIC` (the clock the workers write in their logs).
 pub fn now_ns() -> Ns {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128
+    leasehold_testkit::monotonic_ns()
 }
 
 /// A span of time `[start, end)`.
