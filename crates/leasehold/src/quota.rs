@@ -60,6 +60,8 @@ pub(crate) struct Shared {
     registry: Mutex<HashMap<String, Weak<LeaseInner>>>,
     waiters: WaitQueue,
     listening: AtomicBool,
+    /// Admission attempts under way in this process, by task id.
+    attempts: Mutex<HashMap<String, usize>>,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
     pub(crate) shutdown: CancellationToken,
     pub(crate) breaker: Breaker,
@@ -67,7 +69,8 @@ pub(crate) struct Shared {
     local_held: AtomicU32,
 }
 
-/// How long an admission whose caller gave up is kept before it is released (see `attempt`).
+/// The longest an admission whose caller gave up waits for another attempt of the same task in
+/// this process to share it, before it is released (see `attempt`).
 const ORPHAN_GRACE: Duration = Duration::from_secs(2);
 
 /// One holder in a [`Status`].
@@ -127,6 +130,7 @@ impl Quota {
             registry: Mutex::new(HashMap::new()),
             waiters: WaitQueue::default(),
             listening: AtomicBool::new(false),
+            attempts: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
             breaker: Breaker::new(config.breaker),
             local_held: AtomicU32::new(0),
@@ -331,6 +335,7 @@ impl Quota {
         let shared = self.shared.clone();
         let id = task_id.to_owned();
         runtime::spawn(async move {
+            let _counted = AttemptInFlight::new(&shared, &id);
             let sent = Instant::now();
             let reply = shared
                 .backend
@@ -362,10 +367,13 @@ impl Quota {
                 Err(e) => Err(e),
             };
             if let Err(Ok(Attempt::Admitted(orphan))) = tx.send(outcome) {
-                // The caller gave up. A retry of the same task may still be in flight and come
-                // back `held` with this very lease: keep it (renewed) a while so that retry
-                // shares it, then let it go; its drop releases it.
-                tokio::time::sleep(ORPHAN_GRACE).await;
+                // The caller gave up. A retry of the same task already in flight will come back
+                // `held` with this very lease: keep it until that retry has adopted it, then let
+                // it go; if nobody shares it, its drop releases it at once.
+                let until = Instant::now() + ORPHAN_GRACE;
+                while shared.attempts_in_flight(&id) > 1 && Instant::now() < until {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
                 drop(orphan);
             }
         });
@@ -401,6 +409,36 @@ impl Quota {
     }
 }
 
+/// Counts one admission attempt of a task for as long as it lives.
+struct AttemptInFlight<'a> {
+    shared: &'a Shared,
+    task_id: &'a str,
+}
+
+impl<'a> AttemptInFlight<'a> {
+    fn new(shared: &'a Shared, task_id: &'a str) -> Self {
+        let mut attempts = shared.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        *attempts.entry(task_id.to_owned()).or_default() += 1;
+        AttemptInFlight { shared, task_id }
+    }
+}
+
+impl Drop for AttemptInFlight<'_> {
+    fn drop(&mut self) {
+        let mut attempts = self
+            .shared
+            .attempts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = attempts.get_mut(self.task_id) {
+            *n -= 1;
+            if *n == 0 {
+                attempts.remove(self.task_id);
+            }
+        }
+    }
+}
+
 impl Drop for Shared {
     fn drop(&mut self) {
         self.shutdown.cancel();
@@ -431,6 +469,12 @@ impl Shared {
             registry.values().filter_map(Weak::upgrade).collect()
         };
         found.into_iter().filter(|l| !l.is_lost()).collect()
+    }
+
+    /// Admission attempts of `task_id` under way in this process.
+    fn attempts_in_flight(&self, task_id: &str) -> usize {
+        let attempts = self.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        attempts.get(task_id).copied().unwrap_or(0)
     }
 
     /// Wakes one waiter: a slot may have freed.
