@@ -186,6 +186,11 @@ impl Quota {
     /// Waits for a slot as long as it takes. Waiters in one process are served in arrival order;
     /// they are woken by release events, by a timer to the earliest lease deadline, and by a
     /// bounded, jittered poll in case an event was lost.
+    ///
+    /// Waiting is for a free slot, not for the backend: when the backend cannot answer, the
+    /// quota's [`BackendDownPolicy`] decides at once (the default fails closed with
+    /// [`Error::BackendUnavailable`]), so a caller is never stuck behind an outage it cannot see.
+    /// It fails with [`Error::Cancelled`] if the task is cancelled while it waits.
     pub async fn acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
         self.ensure_listening().await;
