@@ -166,7 +166,18 @@ pub fn check(
 }
 
 fn over_limit(s: &mut Stats, record: &PhaseRecord, within: &[&Interval], limit: usize) {
-    let allowed: Vec<Window> = record.allowed.iter().map(|(w, _)| *w).collect();
+    let mut allowed: Vec<Window> = record.allowed.iter().map(|(w, _)| *w).collect();
+    if record.policy_admits {
+        // A lease granted by the backend-down policy is uncounted by Redis: running above the
+        // limit while one runs is what FailOpen / DegradeLocal document, however long the
+        // client took to see Redis back (its short-circuit, its reconnect back-off).
+        allowed.extend(
+            within
+                .iter()
+                .filter(|i| i.local)
+                .map(|i| Window::new(i.start, i.end)),
+        );
+    }
     let steps = steps(within);
     let mut episode: Option<Ns> = None;
     for pair in steps.windows(2) {
@@ -380,6 +391,20 @@ mod tests {
             s.unexplained_over_ms
         );
         assert_eq!(s.completed, 5);
+    }
+
+    #[test]
+    fn over_limit_while_a_policy_granted_lease_runs_is_explained() {
+        // Limit 1: a local (policy-granted) lease overlaps a counted one from 20 to 30 ms.
+        let mut local = interval(1, 20, 30);
+        local.local = true;
+        let all = [interval(0, 0, 100), local];
+        let mut r = record(Vec::new());
+        assert!((check(&r, &all, &[], 2, 1).unexplained_over_ms - 10.0).abs() < 1e-9);
+        r.policy_admits = true;
+        let s = check(&r, &all, &[], 2, 1);
+        assert!((s.over_ms - 10.0).abs() < 1e-9, "{}", s.over_ms);
+        assert_eq!(s.unexplained_over_ms, 0.0);
     }
 
     #[test]
