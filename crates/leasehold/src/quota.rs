@@ -278,17 +278,11 @@ impl Quota {
         let shared = &self.shared;
         // Only a newcomer to an empty queue (or a task that already holds) may try at once;
         // otherwise it would overtake older waiters.
-        let mut retry_after = shared
-            .waiters
-            .until_expiry()
-            .unwrap_or(shared.config.poll_interval);
+        let mut retry_after = shared.until_expiry_or_poll();
         if shared.waiters.is_empty() || shared.holds(task_id) {
             match self.attempt(task_id).await? {
                 Attempt::Admitted(lease) => return Ok(lease),
-                Attempt::Full { retry_after: r } => {
-                    retry_after = r;
-                    shared.waiters.note_expiry(Instant::now() + r);
-                }
+                Attempt::Full { retry_after: r } => retry_after = r,
             }
         }
         let place = shared.waiters.join(task_id);
@@ -306,17 +300,13 @@ impl Quota {
             if !asked {
                 // Promoted to head: arm the expiry timer from the last full reply. Attempting
                 // now would make this waiter busy and let a release skip it for a younger one.
-                retry_after = shared
-                    .waiters
-                    .until_expiry()
-                    .unwrap_or(shared.config.poll_interval);
+                retry_after = shared.until_expiry_or_poll();
                 continue;
             }
             match self.attempt(task_id).await? {
                 Attempt::Admitted(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r } => {
                     retry_after = r;
-                    shared.waiters.note_expiry(Instant::now() + r);
                     place.idle();
                 }
             }
@@ -354,12 +344,13 @@ impl Quota {
                 Ok(AcquireReply::Full {
                     now_ms,
                     earliest_deadline_ms,
-                }) => Ok(Attempt::Full {
+                }) => {
                     // The first expiry in server time, plus 1 ms so the reap sees it passed.
-                    retry_after: Duration::from_millis(
-                        earliest_deadline_ms.saturating_sub(now_ms) + 1,
-                    ),
-                }),
+                    let retry_after =
+                        Duration::from_millis(earliest_deadline_ms.saturating_sub(now_ms) + 1);
+                    shared.waiters.note_expiry(Instant::now() + retry_after);
+                    Ok(Attempt::Full { retry_after })
+                }
                 Ok(AcquireReply::Quarantined { remaining_ms }) => {
                     tracing::warn!(quota = %shared.keys.name, remaining_ms,
                         "admissions quarantined: the backend lost the quota's state");
@@ -480,6 +471,14 @@ impl Shared {
     fn attempts_in_flight(&self, task_id: &str) -> usize {
         let attempts = self.attempts.lock().unwrap_or_else(|e| e.into_inner());
         attempts.get(task_id).copied().unwrap_or(0)
+    }
+
+    /// Time until the earliest lease expiry the last full reply announced, or the poll interval
+    /// when none is known.
+    fn until_expiry_or_poll(&self) -> Duration {
+        self.waiters
+            .until_expiry()
+            .unwrap_or(self.config.poll_interval)
     }
 
     /// Wakes one waiter: a slot may have freed.
