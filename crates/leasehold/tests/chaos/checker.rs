@@ -354,19 +354,8 @@ mod tests {
 
     fn record(allowed: Vec<(Window, &'static str)>) -> PhaseRecord {
         PhaseRecord {
-            name: "t".into(),
-            fault: "t".into(),
-            window: Window::new(0, 1000 * MS),
-            faults_lifted: 0,
             allowed,
-            outages: Vec::new(),
-            isolated: Vec::new(),
-            paused: Vec::new(),
-            kills: Vec::new(),
-            cancels: Vec::new(),
-            policy_admits: false,
-            no_loss_expected: false,
-            leak: Leak::default(),
+            ..PhaseRecord::new("t", "t", Window::new(0, 1000 * MS))
         }
     }
 

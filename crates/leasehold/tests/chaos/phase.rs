@@ -41,6 +41,27 @@ pub struct PhaseRecord {
     pub leak: Leak,
 }
 
+impl PhaseRecord {
+    /// An empty record of the phase `name`, injecting `fault`, whose work spans `window`.
+    pub fn new(name: &str, fault: &str, window: Window) -> PhaseRecord {
+        PhaseRecord {
+            name: name.into(),
+            fault: fault.into(),
+            window,
+            faults_lifted: window.start,
+            allowed: Vec::new(),
+            outages: Vec::new(),
+            isolated: Vec::new(),
+            paused: Vec::new(),
+            kills: Vec::new(),
+            cancels: Vec::new(),
+            policy_admits: false,
+            no_loss_expected: false,
+            leak: Leak::default(),
+        }
+    }
+}
+
 /// A phase in progress.
 pub struct Phase {
     record: PhaseRecord,
@@ -52,21 +73,7 @@ impl Phase {
         fleet.go();
         let start = now_ns();
         Phase {
-            record: PhaseRecord {
-                name: name.into(),
-                fault: fault.into(),
-                window: Window::new(start, start),
-                faults_lifted: start,
-                allowed: Vec::new(),
-                outages: Vec::new(),
-                isolated: Vec::new(),
-                paused: Vec::new(),
-                kills: Vec::new(),
-                cancels: Vec::new(),
-                policy_admits: false,
-                no_loss_expected: false,
-                leak: Leak::default(),
-            },
+            record: PhaseRecord::new(name, fault, Window::new(start, start)),
         }
     }
 
