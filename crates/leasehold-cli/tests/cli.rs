@@ -19,6 +19,17 @@ fn output(mut cmd: Command) -> Output {
     wait_output(child, Duration::from_secs(30))
 }
 
+/// Runs `leasehold ARGS` against `url` and `quota` to the end (bounded) and returns its output.
+fn run_cli<I, S>(url: &str, quota: &str, args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut cmd = leasehold(url, quota);
+    cmd.args(args);
+    output(cmd)
+}
+
 fn wait_output(mut child: Child, within: Duration) -> Output {
     let end = Instant::now() + within;
     while child.try_wait().unwrap().is_none() {
@@ -116,17 +127,17 @@ fn ten_runs_on_limit_three_never_overlap_more_than_three() {
 #[test]
 fn the_commands_exit_code_propagates_and_a_full_quota_exits_75_at_once() {
     let server = RedisServer::start();
-    let out = output({
-        let mut c = leasehold(&server.url(), "codes");
-        c.args(["run", "--limit", "1", "--", "sh", "-c", "exit 7"]);
-        c
-    });
+    let out = run_cli(
+        &server.url(),
+        "codes",
+        ["run", "--limit", "1", "--", "sh", "-c", "exit 7"],
+    );
     assert_eq!(out.status.code(), Some(7));
-    let out = output({
-        let mut c = leasehold(&server.url(), "codes");
-        c.args(["run", "--limit", "1", "--", "sh", "-c", "kill -KILL $$"]);
-        c
-    });
+    let out = run_cli(
+        &server.url(),
+        "codes",
+        ["run", "--limit", "1", "--", "sh", "-c", "kill -KILL $$"],
+    );
     assert_eq!(
         out.status.code(),
         Some(128 + 9),
@@ -147,18 +158,18 @@ fn the_commands_exit_code_propagates_and_a_full_quota_exits_75_at_once() {
         .unwrap();
     wait_held(&server, "codes", "holder");
     let started = Instant::now();
-    let out = output({
-        let mut c = leasehold(&server.url(), "codes");
-        c.args(["run", "--limit", "1", "--wait", "0", "--", "true"]);
-        c
-    });
+    let out = run_cli(
+        &server.url(),
+        "codes",
+        ["run", "--limit", "1", "--wait", "0", "--", "true"],
+    );
     assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
     assert!(started.elapsed() < Duration::from_secs(2));
-    let out = output({
-        let mut c = leasehold(&server.url(), "codes");
-        c.args(["run", "--limit", "1", "--wait", "300ms", "--", "true"]);
-        c
-    });
+    let out = run_cli(
+        &server.url(),
+        "codes",
+        ["run", "--limit", "1", "--wait", "300ms", "--", "true"],
+    );
     assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
     holder.kill().unwrap();
     holder.wait().unwrap();
@@ -199,11 +210,11 @@ fn a_sigkilled_run_and_its_command_free_the_slot_one_ttl_later() {
     // SAFETY: kill(2) on the child's pid; no memory involved.
     unsafe { libc::kill(child_pid, libc::SIGKILL) };
     let killed = Instant::now();
-    let out = output({
-        let mut c = leasehold(&server.url(), "kill");
-        c.args(["run", "--limit", "1", "--ttl", "1s", "--", "true"]);
-        c
-    });
+    let out = run_cli(
+        &server.url(),
+        "kill",
+        ["run", "--limit", "1", "--ttl", "1s", "--", "true"],
+    );
     let reuse = killed.elapsed();
     println!("slot of a SIGKILLed `leasehold run` reused after {reuse:?} (ttl 1s)");
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
@@ -230,11 +241,7 @@ fn cancel_run(server: &RedisServer, quota: &str, command: &[&str], grace: &str) 
     wait_held(server, quota, "job");
     std::thread::sleep(Duration::from_millis(200)); // let the command start
     let cancelled = Instant::now();
-    let out = output({
-        let mut c = leasehold(&server.url(), quota);
-        c.args(["cancel", "job", "--reason", "test"]);
-        c
-    });
+    let out = run_cli(&server.url(), quota, ["cancel", "job", "--reason", "test"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let code = wait_exit(&mut run, Duration::from_secs(15));
     (code, cancelled.elapsed())
@@ -292,28 +299,16 @@ fn status_shows_holders_as_a_table_and_as_json() {
         .spawn()
         .unwrap();
     wait_held(&server, "st", "visible");
-    let table = output({
-        let mut c = leasehold(&server.url(), "st");
-        c.args(["status", "--limit", "2"]);
-        c
-    });
+    let table = run_cli(&server.url(), "st", ["status", "--limit", "2"]);
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(text.contains("1 held, limit 2, free 1"), "{text}");
     assert!(text.contains("visible"), "{text}");
-    let json = output({
-        let mut c = leasehold(&server.url(), "st");
-        c.args(["status", "--json"]);
-        c
-    });
+    let json = run_cli(&server.url(), "st", ["status", "--json"]);
     let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(doc["held"], 1);
     assert_eq!(doc["holders"][0]["task_id"], "visible");
     assert!(doc["holders"][0]["fencing_token"].as_u64().unwrap() >= 1);
-    let released = output({
-        let mut c = leasehold(&server.url(), "st");
-        c.args(["release", "visible"]);
-        c
-    });
+    let released = run_cli(&server.url(), "st", ["release", "visible"]);
     assert_eq!(released.status.code(), Some(0));
     assert_eq!(
         wait_exit(&mut run, Duration::from_secs(10)),
@@ -400,11 +395,7 @@ fn bad_input_gets_one_line_and_a_non_zero_exit_never_a_panic() {
         ),
     ];
     for (args, code) in cases {
-        let out = output({
-            let mut c = leasehold(&good, "bad");
-            c.args(&args);
-            c
-        });
+        let out = run_cli(&good, "bad", &args);
         let err = stderr(&out);
         assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
         assert_eq!(
