@@ -82,6 +82,13 @@ impl Phase {
         &mut self.record
     }
 
+    /// Notes that Redis, unreachable for everyone since `cut`, answers again now.
+    pub fn redis_back(&mut self, cut: Ns) {
+        self.lifted();
+        let back = self.record.faults_lifted;
+        self.record.outages.push((Window::new(cut, back), true));
+    }
+
     /// Notes that a fault was lifted now.
     pub fn lifted(&mut self) {
         self.record.faults_lifted = now_ns();

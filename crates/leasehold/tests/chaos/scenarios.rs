@@ -158,9 +158,7 @@ pub fn pause_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord
         fleet.server.pause();
         run_for(fleet.settings.ttl * 3 / 2);
         fleet.server.resume();
-        let end = now_ns();
-        p.lifted();
-        p.record().outages.push((Window::new(start, end), true));
+        p.redis_back(start);
         run_for(RECOVERY);
     }
     p.finish(fleet, ops)
@@ -204,9 +202,7 @@ pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord 
                 "the busy script ended with {reply:?}"
             );
         });
-        let end = now_ns();
-        p.lifted();
-        p.record().outages.push((Window::new(start, end), true));
+        p.redis_back(start);
         run_for(RECOVERY);
     }
     p.finish(fleet, ops)
