@@ -17,6 +17,7 @@ local limit = tonumber(ARGV[3])
 
 -- Dataset loss: a caller that saw another epoch (or one that vanished) proves the quota's state
 -- was lost while leases may still run. Admissions pause for one ttl, once per epoch.
+-- The epoch check is the same in renew.lua: a script cannot call another, so keep both in step.
 local epoch = redis.call('HGET', KEYS[5], 'id')
 local stale = ARGV[4] ~= '' and ARGV[4] ~= epoch
 if not epoch then

@@ -13,6 +13,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 
+-- The epoch check is the same in acquire.lua: a script cannot call another, so keep both in step.
 local epoch = redis.call('HGET', KEYS[4], 'id')
 local stale = ARGV[2] ~= '' and ARGV[2] ~= epoch
 if not epoch then
