@@ -395,15 +395,17 @@ const LEASEHOLD_ACL: &[&str] = &[
     "+time",
     "+get",
     "+set",
-    "+incr",
+    "+mget",
     "+pttl",
     "+hget",
+    "+hmget",
     "+hset",
     "+hsetnx",
     "+hdel",
     "+zadd",
     "+zrem",
     "+zscore",
+    "+zmscore",
     "+zcard",
     "+zrange",
     "+zrangebyscore",
@@ -482,4 +484,179 @@ async fn names_with_colons_and_spaces_touch_only_their_own_keys() {
             .as_deref(),
         Some("someone else's")
     );
+}
+
+/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
+fn evalsha_calls(server: &RedisServer) -> u64 {
+    let info = server
+        .command(&["INFO", "commandstats"])
+        .as_string()
+        .unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
+    let server = RedisServer::start();
+    let quota = quota_on(&server, "burst", 10, Duration::from_secs(10)).await;
+    // Subscribe and warm up outside the counted burst.
+    quota
+        .try_acquire("warm-up")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let before = evalsha_calls(&server);
+
+    // 60 distinct tasks and one task id asked for 5 times, all at once.
+    let ids: Vec<String> = (0..60)
+        .map(|i| format!("t{i}"))
+        .chain((0..5).map(|_| "twice".to_owned()))
+        .collect();
+    let attempts = ids.len() as u64;
+    let handles: Vec<_> = ids
+        .into_iter()
+        .map(|id| {
+            let quota = quota.clone();
+            tokio::spawn(async move { (id.clone(), quota.try_acquire(&id).await) })
+        })
+        .collect();
+    let mut leases = Vec::new();
+    let mut twice_tokens = Vec::new();
+    let mut full = 0;
+    for handle in handles {
+        match handle.await.unwrap() {
+            (id, Ok(lease)) => {
+                if id == "twice" {
+                    twice_tokens.push(lease.fencing_token());
+                }
+                leases.push(lease);
+            }
+            (_, Err(Error::Full { .. })) => full += 1,
+            (_, Err(e)) => panic!("unexpected {e:?}"),
+        }
+    }
+    let acquire_calls = evalsha_calls(&server) - before;
+    let holders = quota.status().await.unwrap().holders;
+    assert_eq!(holders.len(), 10, "exactly the limit is held: {holders:?}");
+    let distinct_leases: std::collections::HashSet<_> =
+        leases.iter().map(|l| l.fencing_token()).collect();
+    assert_eq!(distinct_leases.len(), 10);
+    assert!(
+        twice_tokens.is_empty() || (twice_tokens.len() == 5 && distinct(&twice_tokens) == 1),
+        "one task id asked for five times shares one lease or is refused every time: \
+         {twice_tokens:?}"
+    );
+    assert_eq!(leases.len() + full, attempts as usize);
+    println!("{attempts} concurrent acquires took {acquire_calls} script calls");
+    assert!(
+        acquire_calls * 2 <= attempts,
+        "{attempts} concurrent acquires took {acquire_calls} script calls"
+    );
+
+    let before = evalsha_calls(&server);
+    let releases: Vec<_> = leases
+        .into_iter()
+        .map(|lease| tokio::spawn(async move { lease.release().await }))
+        .collect();
+    let released = releases.len();
+    for release in releases {
+        release.await.unwrap().unwrap();
+    }
+    let release_calls = evalsha_calls(&server) - before;
+    println!("{released} concurrent releases took {release_calls} script calls");
+    assert!(quota.status().await.unwrap().holders.is_empty());
+    assert!(release_calls <= released as u64);
+}
+
+const ACQUIRE_LUA: &str = include_str!("../src/scripts/acquire.lua");
+const RELEASE_LUA: &str = include_str!("../src/scripts/release.lua");
+
+fn ints(reply: &leasehold_testkit::Reply) -> Vec<i64> {
+    match reply {
+        leasehold_testkit::Reply::Array(items) => {
+            items.iter().map(|r| r.as_int().unwrap_or(-1)).collect()
+        }
+        other => panic!("not an array: {other:?}"),
+    }
+}
+
+#[test]
+fn one_script_call_for_many_tasks_answers_like_calls_in_a_row() {
+    let server = RedisServer::start();
+    let k = |suffix: &str| format!("leasehold:{{rows}}:{suffix}");
+    let (leases, holders, fence, epoch, quarantine) = (
+        k("leases"),
+        k("holders"),
+        k("fence"),
+        k("epoch"),
+        k("quarantine"),
+    );
+    let ids = ["a", "b", "a", "c", "cancelled"];
+    server.command(&["SET", &k("cancel:cancelled"), "stop"]);
+    let cancel_keys: Vec<String> = ids.iter().map(|id| k(&format!("cancel:{id}"))).collect();
+    let numkeys = (5 + ids.len()).to_string();
+    let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
+    args.extend([&*leases, &*holders, &*fence, &*epoch, &*quarantine]);
+    args.extend(cancel_keys.iter().map(String::as_str));
+    args.extend(["10000", "2", ""]);
+    args.extend(ids);
+    let reply = server.command(&args);
+    let leasehold_testkit::Reply::Array(items) = &reply else {
+        panic!("{reply:?}")
+    };
+    let answers = ints(&reply)[2..].to_vec();
+    let now = items[1].as_int().unwrap();
+    let answer = |i: usize| &answers[4 * i..4 * i + 4];
+    assert_eq!(answer(0)[..3], [1, 1, now], "a is admitted with token 1");
+    assert_eq!(answer(1)[..3], [1, 2, now], "b takes the second slot");
+    assert_eq!(
+        answer(2),
+        answer(0)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| if i == 0 { 2 } else { *v })
+            .collect::<Vec<_>>(),
+        "a listed again is held: same token, same deadline"
+    );
+    assert_eq!(answer(3)[..2], [0, now + 10000], "c finds the quota full");
+    assert_eq!(answer(4)[0], 3, "a cancelled task is refused");
+    assert_eq!(server.command(&["ZCARD", &leases]).as_int(), Some(2));
+    assert_eq!(
+        server.command(&["GET", &fence]).as_string().as_deref(),
+        Some("2"),
+        "one token per admission"
+    );
+
+    // Release: a twice with its token (the second finds nothing), b forced, c never held.
+    let reply = server.command(&[
+        "EVAL",
+        RELEASE_LUA,
+        "2",
+        &leases,
+        &holders,
+        &k("events"),
+        "a",
+        "1",
+        "a",
+        "1",
+        "b",
+        "*",
+        "c",
+        "7",
+    ]);
+    assert_eq!(ints(&reply), [1, 0, 1, 0]);
+    assert_eq!(server.command(&["ZCARD", &leases]).as_int(), Some(0));
+    assert_eq!(server.command(&["HLEN", &holders]).as_int(), Some(0));
+}
+
+fn distinct(tokens: &[u64]) -> usize {
+    tokens
+        .iter()
+        .collect::<std::collections::HashSet<_>>()
+        .len()
 }

@@ -11,6 +11,7 @@ use tokio::sync::broadcast;
 use crate::error::Result;
 use crate::keys::QuotaKeys;
 
+mod batch;
 pub mod memory;
 pub mod redis;
 

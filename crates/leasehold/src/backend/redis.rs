@@ -15,6 +15,7 @@ use redis::{ErrorKind, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, 
 use redis::{Script, ServerErrorKind, Value};
 use tokio::sync::{broadcast, mpsc};
 
+use super::batch::Batcher;
 use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, Snapshot};
 use crate::error::{Error, Misconfiguration, Result};
 use crate::keys::QuotaKeys;
@@ -70,7 +71,17 @@ struct Inner {
     /// Quota name -> the epochs this process knows: sent with every acquire and renew so the
     /// server can tell that it lost the quota's state (protocol, "Dataset loss").
     epochs: Mutex<HashMap<String, Epochs>>,
+    /// Admission attempts that share script calls, per (quota, ttl in ms, limit).
+    acquires: Mutex<HashMap<(String, u128, u32), Arc<AcquireBatcher>>>,
+    /// Releases `(task id, token or "*")` that share script calls, per quota.
+    releases: Mutex<HashMap<String, Arc<ReleaseBatcher>>>,
 }
+
+/// Admission attempts (task ids) of one quota, ttl and limit, sent together.
+type AcquireBatcher = Batcher<String, AcquireReply>;
+
+/// Releases `(task id, token or "*")` of one quota, sent together.
+type ReleaseBatcher = Batcher<(String, String), bool>;
 
 /// The epochs of one quota as this process knows them.
 #[derive(Debug, Default, Clone)]
@@ -85,6 +96,10 @@ struct Epochs {
 
 /// Most leases sent in one renewal call; more are split so one script never blocks Redis long.
 const RENEW_BATCH: usize = 5000;
+
+/// Most admission attempts, or releases, sent in one script call. A full batch runs in well under
+/// a millisecond of Redis time.
+const CALL_BATCH: usize = 128;
 
 impl std::fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -155,6 +170,8 @@ impl RedisBackend {
                 options: connect_options,
                 channels: Mutex::new(HashMap::new()),
                 epochs: Mutex::new(HashMap::new()),
+                acquires: Mutex::new(HashMap::new()),
+                releases: Mutex::new(HashMap::new()),
             });
             tokio::spawn(dispatch_pushes(Arc::downgrade(&inner), push_rx));
             let backend = RedisBackend { inner };
@@ -322,13 +339,15 @@ fn text(v: Option<&Value>) -> Result<String> {
     }
 }
 
-fn lease_record(task_id: &str, reply: &[Value]) -> Result<LeaseRecord> {
+/// A lease from the four values `token, acquired_ms, deadline_ms` (after the code) of an acquire
+/// answer.
+fn lease_record(task_id: String, answer: &[Value], now_ms: u64) -> Result<LeaseRecord> {
     Ok(LeaseRecord {
-        task_id: task_id.to_owned(),
-        token: int(reply.get(2))?,
-        acquired_at_ms: int(reply.get(3))?,
-        deadline_ms: int(reply.get(4))?,
-        now_ms: int(reply.get(5))?,
+        task_id,
+        token: int(answer.get(1))?,
+        acquired_at_ms: int(answer.get(2))?,
+        deadline_ms: int(answer.get(3))?,
+        now_ms,
     })
 }
 
@@ -408,6 +427,101 @@ impl RedisBackend {
     }
 }
 
+impl RedisBackend {
+    /// One acquire call for `ids`, served in order; one answer per id.
+    async fn acquire_batch(
+        &self,
+        keys: &QuotaKeys,
+        ttl: Duration,
+        limit: u32,
+        ids: Vec<String>,
+    ) -> Result<Vec<AcquireReply>> {
+        let mut script_keys = Vec::with_capacity(5 + ids.len());
+        script_keys.extend([
+            keys.leases.clone(),
+            keys.holders.clone(),
+            keys.fence.clone(),
+            keys.epoch.clone(),
+            keys.quarantine.clone(),
+        ]);
+        script_keys.extend(ids.iter().map(|id| keys.cancel(id)));
+        let mut args = Vec::with_capacity(3 + ids.len());
+        args.extend([
+            ttl.as_millis().to_string(),
+            limit.to_string(),
+            self.epochs(&keys.name).seen,
+        ]);
+        args.extend(ids.iter().cloned());
+        let reply = self
+            .invoke(keys.name.clone(), &ACQUIRE, script_keys, args)
+            .await?;
+        if reply.len() != 2 + 4 * ids.len() {
+            return Err(Misconfiguration::Protocol(format!(
+                "acquire replied {} values for {} task ids",
+                reply.len(),
+                ids.len()
+            ))
+            .into());
+        }
+        let now_ms = int(reply.get(1))?;
+        let answers = ids
+            .into_iter()
+            .zip(reply[2..].chunks(4))
+            .map(|(id, answer)| match int(answer.first())? {
+                1 => Ok(AcquireReply::Acquired(lease_record(id, answer, now_ms)?)),
+                2 => Ok(AcquireReply::Held(lease_record(id, answer, now_ms)?)),
+                3 => Ok(AcquireReply::Cancelled {
+                    reason: text(answer.get(1))?,
+                }),
+                4 => Ok(AcquireReply::Quarantined {
+                    remaining_ms: int(answer.get(1))?,
+                }),
+                0 => Ok(AcquireReply::Full {
+                    earliest_deadline_ms: int(answer.get(1))?,
+                    now_ms,
+                }),
+                other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let confirmed = answers
+            .iter()
+            .any(|a| matches!(a, AcquireReply::Acquired(_) | AcquireReply::Held(_)));
+        self.saw_epoch(&keys.name, reply.first(), confirmed)?;
+        Ok(answers)
+    }
+
+    /// One release call for `leases` (task id, token or `*`); whether each was removed.
+    async fn release_batch(
+        &self,
+        keys: &QuotaKeys,
+        leases: Vec<(String, String)>,
+    ) -> Result<Vec<bool>> {
+        let mut args = Vec::with_capacity(1 + 2 * leases.len());
+        args.push(keys.events.clone());
+        for (id, token) in &leases {
+            args.push(id.clone());
+            args.push(token.clone());
+        }
+        let reply = self
+            .invoke(
+                keys.name.clone(),
+                &RELEASE,
+                vec![keys.leases.clone(), keys.holders.clone()],
+                args,
+            )
+            .await?;
+        if reply.len() != leases.len() {
+            return Err(Misconfiguration::Protocol(format!(
+                "release replied {} values for {} leases",
+                reply.len(),
+                leases.len()
+            ))
+            .into());
+        }
+        reply.iter().map(|v| Ok(int(Some(v))? == 1)).collect()
+    }
+}
+
 #[async_trait]
 impl Backend for RedisBackend {
     async fn acquire(
@@ -417,43 +531,24 @@ impl Backend for RedisBackend {
         ttl: Duration,
         limit: u32,
     ) -> Result<AcquireReply> {
-        let reply = self
-            .invoke(
-                keys.name.clone(),
-                &ACQUIRE,
-                vec![
-                    keys.leases.clone(),
-                    keys.holders.clone(),
-                    keys.fence.clone(),
-                    keys.cancel(task_id),
-                    keys.epoch.clone(),
-                    keys.quarantine.clone(),
-                ],
-                vec![
-                    task_id.to_owned(),
-                    ttl.as_millis().to_string(),
-                    limit.to_string(),
-                    self.epochs(&keys.name).seen,
-                ],
-            )
-            .await?;
-        let code = int(reply.first())?;
-        self.saw_epoch(&keys.name, reply.get(1), matches!(code, 1 | 2))?;
-        match code {
-            1 => Ok(AcquireReply::Acquired(lease_record(task_id, &reply)?)),
-            2 => Ok(AcquireReply::Held(lease_record(task_id, &reply)?)),
-            3 => Ok(AcquireReply::Cancelled {
-                reason: text(reply.get(2))?,
-            }),
-            4 => Ok(AcquireReply::Quarantined {
-                remaining_ms: int(reply.get(2))?,
-            }),
-            0 => Ok(AcquireReply::Full {
-                earliest_deadline_ms: int(reply.get(2))?,
-                now_ms: int(reply.get(3))?,
-            }),
-            other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
-        }
+        let batcher = {
+            let mut acquires = self
+                .inner
+                .acquires
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            acquires
+                .entry((keys.name.clone(), ttl.as_millis(), limit))
+                .or_insert_with(|| Arc::new(Batcher::new(CALL_BATCH)))
+                .clone()
+        };
+        let (this, keys) = (self.clone(), keys.clone());
+        batcher
+            .submit(task_id.to_owned(), move |ids| {
+                let (this, keys) = (this.clone(), keys.clone());
+                async move { this.acquire_batch(&keys, ttl, limit, ids).await }
+            })
+            .await
     }
 
     async fn renew(
@@ -480,15 +575,24 @@ impl Backend for RedisBackend {
 
     async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool> {
         let token = token.map_or_else(|| "*".to_owned(), |t| t.to_string());
-        let reply = self
-            .invoke(
-                keys.name.clone(),
-                &RELEASE,
-                vec![keys.leases.clone(), keys.holders.clone()],
-                vec![task_id.to_owned(), token, keys.events.clone()],
-            )
-            .await?;
-        Ok(int(reply.first())? == 1)
+        let batcher = {
+            let mut releases = self
+                .inner
+                .releases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            releases
+                .entry(keys.name.clone())
+                .or_insert_with(|| Arc::new(Batcher::new(CALL_BATCH)))
+                .clone()
+        };
+        let (this, keys) = (self.clone(), keys.clone());
+        batcher
+            .submit((task_id.to_owned(), token), move |leases| {
+                let (this, keys) = (this.clone(), keys.clone());
+                async move { this.release_batch(&keys, leases).await }
+            })
+            .await
     }
 
     async fn cancel(

@@ -1,37 +1,33 @@
--- leasehold protocol v1: acquire
+-- leasehold protocol v1: acquire, for one or more task ids in order
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
--- KEYS[3] fence (STRING counter)   KEYS[4] this task's cancel marker (STRING reason)
--- KEYS[5] epoch (HASH id, detected)   KEYS[6] quarantine (STRING, with a TTL)
--- ARGV[1] task id   ARGV[2] ttl ms   ARGV[3] limit   ARGV[4] the epoch the caller last saw, or ''
--- Reply (epoch = the quota's current epoch id):
---   {1, epoch, token, acquired_ms, deadline_ms, now_ms}  acquired (a new admission)
---   {2, epoch, token, acquired_ms, deadline_ms, now_ms}  held (this id already held a lease; extended)
---   {0, epoch, earliest_deadline_ms, now_ms}             full
---   {3, epoch, reason}                                   cancelled (a cancel marker exists)
---   {4, epoch, quarantine_left_ms, now_ms}               quarantined after a detected dataset loss
+-- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
+-- KEYS[5+k] the cancel marker of the k-th task id
+-- ARGV[1] ttl ms   ARGV[2] limit   ARGV[3] the epoch the caller last saw, or ''
+-- ARGV[3+k] the k-th task id (at least one, at most 1000)
+-- Reply: {epoch, now_ms, then four values per task id, in argument order}:
+--   1, token, acquired_ms, deadline_ms   acquired (a new admission)
+--   2, token, acquired_ms, deadline_ms   held (this id already held a lease; extended)
+--   0, earliest_deadline_ms, 0, 0        full
+--   3, reason, 0, 0                      cancelled (a cancel marker exists)
+--   4, quarantine_left_ms, 0, 0          quarantined after a detected dataset loss
+-- Task ids are served in order: one call for k ids answers exactly what k calls in a row would
+-- (a task id listed twice is answered `held` the second time).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local id = ARGV[1]
-local ttl = tonumber(ARGV[2])
-local limit = tonumber(ARGV[3])
+local ttl = tonumber(ARGV[1])
+local limit = tonumber(ARGV[2])
 
 -- Dataset loss: a caller that saw another epoch (or one that vanished) proves the quota's state
 -- was lost while leases may still run. Admissions pause for one ttl, once per epoch.
 -- The epoch check is the same in renew.lua: a script cannot call another, so keep both in step.
-local epoch = redis.call('HGET', KEYS[5], 'id')
-local stale = ARGV[4] ~= '' and ARGV[4] ~= epoch
+local epoch = redis.call('HGET', KEYS[4], 'id')
+local stale = ARGV[3] ~= '' and ARGV[3] ~= epoch
 if not epoch then
   epoch = t[1] .. '.' .. t[2]
-  redis.call('HSET', KEYS[5], 'id', epoch)
+  redis.call('HSET', KEYS[4], 'id', epoch)
 end
-if stale and redis.call('HSETNX', KEYS[5], 'detected_ms', now) == 1 then
-  redis.call('SET', KEYS[6], epoch, 'PX', ttl)
-end
-
--- A cancelled task is never admitted, nor extended.
-local cancelled = redis.call('GET', KEYS[4])
-if cancelled then
-  return {3, epoch, cancelled}
+if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
+  redis.call('SET', KEYS[5], epoch, 'PX', ttl)
 end
 
 -- Reap expired leases and their metadata; no janitor runs anywhere else.
@@ -43,33 +39,89 @@ if #expired > 0 then
   end
 end
 
-local score = redis.call('ZSCORE', KEYS[1], id)
-local meta = redis.call('HGET', KEYS[2], id)
-if score and meta then
-  local deadline = math.max(tonumber(score), now + ttl)
-  redis.call('ZADD', KEYS[1], 'XX', deadline, id)
-  local sep = string.find(meta, ':', 1, true)
-  return {2, epoch, tonumber(string.sub(meta, 1, sep - 1)), tonumber(string.sub(meta, sep + 1)), deadline, now}
-end
--- Half a lease (written from outside): drop it so it neither holds a slot nor answers `held`.
-if score then
-  redis.call('ZREM', KEYS[1], id)
-elseif meta then
-  redis.call('HDEL', KEYS[2], id)
+local n = #ARGV - 3
+local ids = {unpack(ARGV, 4, 3 + n)}
+local markers = redis.call('MGET', unpack(KEYS, 6, 5 + n))
+local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
+local metas = {}
+for k = 1, n do
+  if scores[k] then
+    metas = redis.call('HMGET', KEYS[2], unpack(ids))
+    break
+  end
 end
 
-local quarantine_left = redis.call('PTTL', KEYS[6])
-if quarantine_left > 0 then
-  return {4, epoch, quarantine_left, now}
+-- Read once per call, when first needed, and kept up to date by this call's own writes.
+local count, quarantine_left, fence, earliest
+-- Writes are gathered and sent once at the end.
+local extended, admitted, admitted_meta = {}, {}, {}
+local answered = {}
+
+local out = {epoch, now}
+for k = 1, n do
+  local id = ids[k]
+  local code, a, b, c = 0, 0, 0, 0
+  local first = answered[id]
+  if first then
+    -- Listed twice: the second attempt finds what the first one left.
+    code, a, b, c = out[first], out[first + 1], out[first + 2], out[first + 3]
+    if code == 1 then code = 2 end
+  elseif markers[k] then
+    -- A cancelled task is never admitted, nor extended.
+    code, a = 3, markers[k]
+  elseif scores[k] and metas[k] then
+    local deadline = math.max(tonumber(scores[k]), now + ttl)
+    extended[#extended + 1] = deadline
+    extended[#extended + 1] = id
+    local sep = string.find(metas[k], ':', 1, true)
+    code, a, b, c = 2, tonumber(string.sub(metas[k], 1, sep - 1)), tonumber(string.sub(metas[k], sep + 1)), deadline
+  else
+    -- Half a lease (written from outside) is no lease: drop it so it neither holds a slot nor
+    -- answers `held`. A stray holders field is overwritten by an admission, dropped otherwise.
+    if scores[k] then
+      redis.call('ZREM', KEYS[1], id)
+      if count then count = count - 1 end
+    end
+    quarantine_left = quarantine_left or redis.call('PTTL', KEYS[5])
+    count = count or redis.call('ZCARD', KEYS[1])
+    if quarantine_left <= 0 and count < limit then
+      fence = (fence or tonumber(redis.call('GET', KEYS[3]) or '0')) + 1
+      local deadline = now + ttl
+      admitted[#admitted + 1] = deadline
+      admitted[#admitted + 1] = id
+      admitted_meta[#admitted_meta + 1] = id
+      admitted_meta[#admitted_meta + 1] = string.format('%d:%d', fence, now)
+      count = count + 1
+      code, a, b, c = 1, fence, now, deadline
+    else
+      if metas[k] then
+        redis.call('HDEL', KEYS[2], id)
+      end
+      if quarantine_left > 0 then
+        code, a = 4, quarantine_left
+      else
+        if not earliest then
+          local lowest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
+          earliest = lowest and tonumber(lowest) or now + ttl
+          if #admitted > 0 then earliest = math.min(earliest, now + ttl) end
+        end
+        code, a = 0, earliest
+      end
+    end
+  end
+  answered[id] = answered[id] or #out + 1
+  out[#out + 1] = code
+  out[#out + 1] = a
+  out[#out + 1] = b
+  out[#out + 1] = c
 end
 
-if redis.call('ZCARD', KEYS[1]) < limit then
-  local token = redis.call('INCR', KEYS[3])
-  local deadline = now + ttl
-  redis.call('ZADD', KEYS[1], deadline, id)
-  redis.call('HSET', KEYS[2], id, string.format('%d:%d', token, now))
-  return {1, epoch, token, now, deadline, now}
+if #extended > 0 then
+  redis.call('ZADD', KEYS[1], 'XX', unpack(extended))
 end
-
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {0, epoch, tonumber(first[2]), now}
+if #admitted > 0 then
+  redis.call('SET', KEYS[3], string.format('%d', fence))
+  redis.call('ZADD', KEYS[1], unpack(admitted))
+  redis.call('HSET', KEYS[2], unpack(admitted_meta))
+end
+return out

@@ -1,22 +1,52 @@
--- leasehold protocol v1: release
+-- leasehold protocol v1: release, for one or more leases in order
 -- KEYS[1] leases   KEYS[2] holders
--- ARGV[1] task id   ARGV[2] fencing token, or '*' for an operator's forced release   ARGV[3] channel
--- Reply: {1} if a lease was removed (and announced on the channel), {0} otherwise.
-local id = ARGV[1]
-local meta = redis.call('HGET', KEYS[2], id)
-if not meta then
-  -- No metadata: remove any stray member too, but announce nothing.
-  redis.call('ZREM', KEYS[1], id)
-  return {0}
+-- ARGV[1] channel, then pairs: ARGV[2k] task id, ARGV[2k+1] fencing token, or '*' for an
+-- operator's forced release (at least one pair, at most 1000)
+-- Reply: one value per pair, in argument order: 1 if a lease was removed (and announced on the
+-- channel), 0 otherwise. One call for k pairs answers exactly what k calls in a row would.
+local ids, wanted = {}, {}
+for k = 2, #ARGV, 2 do
+  ids[#ids + 1] = ARGV[k]
+  wanted[#wanted + 1] = ARGV[k + 1]
 end
-local sep = string.find(meta, ':', 1, true)
-local token = string.sub(meta, 1, sep - 1)
-if ARGV[2] ~= '*' and ARGV[2] ~= token then
-  return {0}
+local metas = redis.call('HMGET', KEYS[2], unpack(ids))
+local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
+
+local unhold, unlease, announce = {}, {}, {}
+local gone = {}
+local out = {}
+for k = 1, #ids do
+  local id = ids[k]
+  local released = 0
+  local meta = not gone[id] and metas[k]
+  if not meta then
+    -- No metadata: remove any stray member too, but announce nothing.
+    if scores[k] and not gone[id] then
+      unlease[#unlease + 1] = id
+      gone[id] = true
+    end
+  else
+    local token = string.sub(meta, 1, string.find(meta, ':', 1, true) - 1)
+    if wanted[k] == '*' or wanted[k] == token then
+      unhold[#unhold + 1] = id
+      gone[id] = true
+      if scores[k] then
+        unlease[#unlease + 1] = id
+        announce[#announce + 1] = 'released:' .. token .. ':' .. id
+        released = 1
+      end
+    end
+  end
+  out[k] = released
 end
-redis.call('HDEL', KEYS[2], id)
-if redis.call('ZREM', KEYS[1], id) == 0 then
-  return {0}
+
+if #unhold > 0 then
+  redis.call('HDEL', KEYS[2], unpack(unhold))
 end
-redis.call('PUBLISH', ARGV[3], 'released:' .. token .. ':' .. id)
-return {1}
+if #unlease > 0 then
+  redis.call('ZREM', KEYS[1], unpack(unlease))
+end
+for _, message in ipairs(announce) do
+  redis.call('PUBLISH', ARGV[1], message)
+end
+return out

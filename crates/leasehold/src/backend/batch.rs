@@ -1,0 +1,241 @@
+//! Group commit for one kind of backend call.
+//!
+//! A call that arrives while [`MAX_IN_FLIGHT`] calls of its kind are already on the wire waits
+//! for the next one and is sent in it together with every other call that queued meanwhile. One
+//! caller alone goes out at once, as before; a hundred concurrent callers share a handful of
+//! script calls, so Redis runs the script's fixed part (time, epoch, reaping) and its Lua call
+//! machinery once per batch instead of once per caller. Callers are sent in arrival order, and
+//! each gets its own answer.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Misconfiguration, Result};
+use crate::runtime;
+
+/// Calls of one kind on the wire at once. Two keep the link busy (one batch travels while the
+/// next fills) without splitting a burst into many small calls.
+pub(crate) const MAX_IN_FLIGHT: usize = 2;
+
+/// A queue of calls of one kind (one quota's admissions, or its releases) sent in batches.
+pub(crate) struct Batcher<Req, Resp> {
+    state: Mutex<State<Req, Resp>>,
+    max_batch: usize,
+}
+
+struct State<Req, Resp> {
+    queue: VecDeque<Pending<Req, Resp>>,
+    in_flight: usize,
+}
+
+struct Pending<Req, Resp> {
+    request: Req,
+    reply: oneshot::Sender<Result<Resp>>,
+}
+
+impl<Req, Resp> std::fmt::Debug for Batcher<Req, Resp> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher")
+            .field("max_batch", &self.max_batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
+    /// A batcher that sends at most `max_batch` requests per call.
+    pub(crate) fn new(max_batch: usize) -> Self {
+        Batcher {
+            state: Mutex::new(State {
+                queue: VecDeque::new(),
+                in_flight: 0,
+            }),
+            max_batch: max_batch.max(1),
+        }
+    }
+
+    /// Queues `request` and waits for its answer. `send` performs one call for a batch of
+    /// requests and answers each, in order; any `send` given for one batcher must be equivalent,
+    /// since the one that starts a sending loop also serves the requests queued behind it.
+    ///
+    /// Batches are sent from tasks on the leasehold runtime, so a caller that stops waiting
+    /// never cancels a call that carries other callers' requests.
+    pub(crate) async fn submit<F, Fut>(self: &Arc<Self>, request: Req, send: F) -> Result<Resp>
+    where
+        F: Fn(Vec<Req>) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Vec<Resp>>> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let first_batch = {
+            let mut state = self.lock();
+            state.queue.push_back(Pending { request, reply });
+            if state.in_flight < MAX_IN_FLIGHT {
+                state.in_flight += 1;
+                Some(self.take_batch(&mut state))
+            } else {
+                None
+            }
+        };
+        if let Some(batch) = first_batch {
+            runtime::spawn(self.clone().send_until_empty(batch, send));
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(Error::BackendUnavailable(
+                "leasehold runtime stopped during a call".into(),
+            ))
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State<Req, Resp>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn take_batch(&self, state: &mut State<Req, Resp>) -> Vec<Pending<Req, Resp>> {
+        let n = state.queue.len().min(self.max_batch);
+        state.queue.drain(..n).collect()
+    }
+
+    /// Sends `batch`, then whatever queued meanwhile, until the queue is empty.
+    async fn send_until_empty<F, Fut>(self: Arc<Self>, mut batch: Vec<Pending<Req, Resp>>, send: F)
+    where
+        F: Fn(Vec<Req>) -> Fut,
+        Fut: Future<Output = Result<Vec<Resp>>>,
+    {
+        loop {
+            let (requests, replies): (Vec<Req>, Vec<_>) =
+                batch.into_iter().map(|p| (p.request, p.reply)).unzip();
+            let asked = requests.len();
+            match send(requests).await {
+                Ok(answers) if answers.len() == asked => {
+                    for (reply, answer) in replies.into_iter().zip(answers) {
+                        let _ = reply.send(Ok(answer));
+                    }
+                }
+                Ok(answers) => {
+                    let e: Error = Misconfiguration::Protocol(format!(
+                        "{} answers for {asked} requests in one call",
+                        answers.len()
+                    ))
+                    .into();
+                    for reply in replies {
+                        let _ = reply.send(Err(e.clone()));
+                    }
+                }
+                Err(e) => {
+                    for reply in replies {
+                        let _ = reply.send(Err(e.clone()));
+                    }
+                }
+            }
+            let mut state = self.lock();
+            if state.queue.is_empty() {
+                state.in_flight -= 1;
+                return;
+            }
+            batch = self.take_batch(&mut state);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    type Answers = std::pin::Pin<Box<dyn Future<Output = Result<Vec<u32>>> + Send>>;
+
+    /// A fake call that records the batches it was given and answers each request doubled.
+    fn doubler(calls: Arc<Mutex<Vec<Vec<u32>>>>) -> impl Fn(Vec<u32>) -> Answers + Send {
+        move |batch: Vec<u32>| {
+            let calls = calls.clone();
+            Box::pin(async move {
+                calls.lock().unwrap().push(batch.clone());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(batch.into_iter().map(|x| x * 2).collect())
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_burst_shares_calls_in_arrival_order_and_each_gets_its_own_answer() {
+        let batcher = Arc::new(Batcher::new(64));
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let handles: Vec<_> = (0..50u32)
+            .map(|i| {
+                let batcher = batcher.clone();
+                let send = doubler(calls.clone());
+                tokio::spawn(async move { (i, batcher.submit(i, send).await) })
+            })
+            .collect();
+        for handle in handles {
+            let (i, answer) = handle.await.unwrap();
+            assert_eq!(answer.unwrap(), i * 2);
+        }
+        let calls = calls.lock().unwrap();
+        let sent: Vec<u32> = calls.iter().flatten().copied().collect();
+        assert_eq!(sent.len(), 50, "every request sent exactly once");
+        assert!(
+            calls.len() <= 2 + 2,
+            "50 concurrent requests went out in {} calls, expected the first {MAX_IN_FLIGHT} \
+             alone and the rest batched",
+            calls.len()
+        );
+    }
+
+    #[tokio::test]
+    async fn requests_are_sent_in_the_order_they_were_queued() {
+        let batcher = Arc::new(Batcher::new(3));
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let mut answers = Vec::new();
+        // Submitted one after another from one task: the queue order is known.
+        for i in 0..10u32 {
+            let (batcher, send) = (batcher.clone(), doubler(calls.clone()));
+            answers.push(tokio::spawn(async move { batcher.submit(i, send).await }));
+            tokio::task::yield_now().await;
+        }
+        for (i, handle) in answers.into_iter().enumerate() {
+            assert_eq!(handle.await.unwrap().unwrap(), i as u32 * 2);
+        }
+        let calls = calls.lock().unwrap();
+        let sent: Vec<u32> = calls.iter().flatten().copied().collect();
+        assert_eq!(sent, (0..10).collect::<Vec<_>>());
+        assert!(calls.iter().all(|b| b.len() <= 3), "max_batch respected");
+    }
+
+    #[tokio::test]
+    async fn a_failed_call_fails_every_request_it_carried_and_the_next_call_still_goes() {
+        let batcher = Arc::new(Batcher::<u32, u32>::new(8));
+        let attempts = Arc::new(AtomicUsize::new(0));
+        let send = {
+            let attempts = attempts.clone();
+            move |batch: Vec<u32>| {
+                let n = attempts.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n == 0 {
+                        Err(Error::BackendUnavailable("down".into()))
+                    } else {
+                        Ok(batch)
+                    }
+                }
+            }
+        };
+        let first = batcher.submit(1, send.clone()).await;
+        assert!(matches!(first, Err(Error::BackendUnavailable(_))));
+        assert_eq!(batcher.submit(2, send.clone()).await.unwrap(), 2);
+        let short = batcher
+            .submit(3, |_batch: Vec<u32>| async { Ok(Vec::new()) })
+            .await;
+        assert!(matches!(
+            short,
+            Err(Error::Misconfigured(Misconfiguration::Protocol(_)))
+        ));
+        assert_eq!(
+            batcher.lock().in_flight,
+            0,
+            "no call left counted in flight"
+        );
+    }
+}
