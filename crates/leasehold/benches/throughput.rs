@@ -360,6 +360,9 @@ struct Throughput {
     calls_per_cycle: f64,
     /// Redis-side µs per client command.
     redis_us_per_call: f64,
+    /// Commands run inside the client's commands (scripts): (name, calls per cycle, µs per
+    /// cycle), most expensive first.
+    inner: Vec<(String, f64, f64)>,
 }
 
 impl Throughput {
@@ -379,11 +382,14 @@ impl Throughput {
             "client_cpu_us_per_cycle": round2(self.us_per_cycle(self.usage.client)),
             "redis_cpu_us_per_cycle": round2(self.us_per_cycle(self.usage.redis)),
             "cores": self.usage.json(),
+            "inside_scripts_per_cycle": self.inner.iter()
+                .map(|(name, calls, us)| (name.clone(), json!({"calls": round2(*calls), "us": round2(*us)})))
+                .collect::<serde_json::Map<_, _>>(),
         })
     }
 
     fn describe(&self) -> String {
-        format!(
+        let mut text = format!(
             "{:.2} calls/cycle, {:.1} µs in redis per call; cpu per cycle: client {:.1} µs, \
              redis {:.1} µs; cores: {}",
             self.calls_per_cycle,
@@ -391,7 +397,19 @@ impl Throughput {
             self.us_per_cycle(self.usage.client),
             self.us_per_cycle(self.usage.redis),
             self.usage.describe()
-        )
+        );
+        if !self.inner.is_empty() {
+            let inner: Vec<String> = self
+                .inner
+                .iter()
+                .map(|(name, calls, us)| format!("{name} {calls:.2}× {us:.2} µs"))
+                .collect();
+            text.push_str(&format!(
+                "\n               inside scripts, per cycle: {}",
+                inner.join(", ")
+            ));
+        }
+        text
     }
 }
 
@@ -459,7 +477,18 @@ where
         latency.add(&h).expect("same histogram bounds");
     }
     let sent: u64 = calls.iter().map(|c| usage.calls(c)).sum();
+    let cycles = total_cycles.max(1) as f64;
+    let mut inner: Vec<(String, f64, f64)> = usage
+        .commands
+        .iter()
+        .filter(|(name, _)| {
+            !calls.contains(&name.as_str()) && !matches!(name.as_str(), "info" | "script|load")
+        })
+        .map(|(name, &(n, usec))| (name.clone(), n as f64 / cycles, usec as f64 / cycles))
+        .collect();
+    inner.sort_by(|a, b| b.2.total_cmp(&a.2));
     Throughput {
+        inner,
         per_sec: in_window as f64 / window.secs(),
         latency,
         total_cycles,
