@@ -33,6 +33,9 @@ pub struct QuotaKeys {
     pub epoch: String,
     /// STRING with a TTL: while it exists, new admissions wait (dataset-loss quarantine).
     pub quarantine: String,
+    /// STRING with a TTL: set when an acquire finds the quota full; while it exists, releases are
+    /// announced on the channel (someone may be waiting), otherwise they are silent.
+    pub waiting: String,
     /// Prefix of the cancel markers: `<prefix><task id>` (STRING, the reason, with a TTL).
     pub cancel_prefix: String,
 }
@@ -50,6 +53,7 @@ impl QuotaKeys {
             events: format!("{base}:events"),
             epoch: format!("{base}:epoch"),
             quarantine: format!("{base}:quarantine"),
+            waiting: format!("{base}:waiting"),
             cancel_prefix: format!("{base}:cancel:"),
         })
     }
@@ -115,6 +119,7 @@ mod tests {
         assert_eq!(k.holders, "leasehold:{llm:gpt}:holders");
         assert_eq!(k.fence, "leasehold:{llm:gpt}:fence");
         assert_eq!(k.events, "leasehold:{llm:gpt}:events");
+        assert_eq!(k.waiting, "leasehold:{llm:gpt}:waiting");
         assert_eq!(k.cancel("t:1"), "leasehold:{llm:gpt}:cancel:t:1");
     }
 

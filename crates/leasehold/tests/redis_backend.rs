@@ -399,6 +399,7 @@ const LEASEHOLD_ACL: &[&str] = &[
     "+pttl",
     "+hget",
     "+hmget",
+    "+exists",
     "+hset",
     "+hsetnx",
     "+hdel",
@@ -589,23 +590,58 @@ fn ints(reply: &leasehold_testkit::Reply) -> Vec<i64> {
 fn one_script_call_for_many_tasks_answers_like_calls_in_a_row() {
     let server = RedisServer::start();
     let k = |suffix: &str| format!("leasehold:{{rows}}:{suffix}");
-    let (leases, holders, fence, epoch, quarantine) = (
+    let (leases, holders, fence, epoch, quarantine, waiting) = (
         k("leases"),
         k("holders"),
         k("fence"),
         k("epoch"),
         k("quarantine"),
+        k("waiting"),
     );
-    let ids = ["a", "b", "a", "c", "cancelled"];
+    let acquire = |ids: &[&str]| {
+        let cancel_keys: Vec<String> = ids.iter().map(|id| k(&format!("cancel:{id}"))).collect();
+        let numkeys = (6 + ids.len()).to_string();
+        let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
+        args.extend([
+            &*leases,
+            &*holders,
+            &*fence,
+            &*epoch,
+            &*quarantine,
+            &*waiting,
+        ]);
+        args.extend(cancel_keys.iter().map(String::as_str));
+        args.extend(["10000", "2", ""]);
+        args.extend(ids);
+        server.command(&args)
+    };
+    let events = k("events");
+    let release = |pairs: &[&str]| {
+        let mut args = vec![
+            "EVAL",
+            RELEASE_LUA,
+            "3",
+            &leases,
+            &holders,
+            &waiting,
+            &events,
+        ];
+        args.extend(pairs);
+        ints(&server.command(&args))
+    };
+    let published = || {
+        let info = server
+            .command(&["INFO", "commandstats"])
+            .as_string()
+            .unwrap();
+        info.lines()
+            .find_map(|line| line.strip_prefix("cmdstat_publish:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse::<u64>().unwrap())
+    };
+
     server.command(&["SET", &k("cancel:cancelled"), "stop"]);
-    let cancel_keys: Vec<String> = ids.iter().map(|id| k(&format!("cancel:{id}"))).collect();
-    let numkeys = (5 + ids.len()).to_string();
-    let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
-    args.extend([&*leases, &*holders, &*fence, &*epoch, &*quarantine]);
-    args.extend(cancel_keys.iter().map(String::as_str));
-    args.extend(["10000", "2", ""]);
-    args.extend(ids);
-    let reply = server.command(&args);
+    let reply = acquire(&["a", "b", "a", "c", "cancelled"]);
     let leasehold_testkit::Reply::Array(items) = &reply else {
         panic!("{reply:?}")
     };
@@ -631,27 +667,37 @@ fn one_script_call_for_many_tasks_answers_like_calls_in_a_row() {
         Some("2"),
         "one token per admission"
     );
+    let marker_ttl = server.command(&["PTTL", &waiting]).as_int().unwrap();
+    assert!(
+        (19_000..=20_000).contains(&marker_ttl),
+        "a refusal marks the quota as waited on for two ttls: {marker_ttl}"
+    );
 
-    // Release: a twice with its token (the second finds nothing), b forced, c never held.
-    let reply = server.command(&[
-        "EVAL",
-        RELEASE_LUA,
-        "2",
-        &leases,
-        &holders,
-        &k("events"),
-        "a",
-        "1",
-        "a",
-        "1",
-        "b",
-        "*",
-        "c",
-        "7",
-    ]);
-    assert_eq!(ints(&reply), [1, 0, 1, 0]);
+    // Someone waits (c was refused): a twice with its token (the second finds nothing), b
+    // forced, c never held. Both removals are announced.
+    let before = published();
+    assert_eq!(
+        release(&["a", "1", "a", "1", "b", "*", "c", "7"]),
+        [1, 0, 1, 0]
+    );
+    assert_eq!(published() - before, 2);
     assert_eq!(server.command(&["ZCARD", &leases]).as_int(), Some(0));
     assert_eq!(server.command(&["HLEN", &holders]).as_int(), Some(0));
+
+    // Nobody waits any more: a release by token is silent, a forced one is still announced.
+    server.command(&["DEL", &waiting]);
+    let tokens = ints(&acquire(&["d", "e"]));
+    assert_eq!((tokens[2], tokens[6]), (1, 1), "both admitted");
+    let d = tokens[3].to_string();
+    let before = published();
+    assert_eq!(release(&["d", &d]), [1]);
+    assert_eq!(published() - before, 0, "nobody waits: nothing to announce");
+    assert_eq!(release(&["e", "*"]), [1]);
+    assert_eq!(
+        published() - before,
+        1,
+        "the holder of a forced release must hear of it"
+    );
 }
 
 fn distinct(tokens: &[u64]) -> usize {

@@ -436,13 +436,14 @@ impl RedisBackend {
         limit: u32,
         ids: Vec<String>,
     ) -> Result<Vec<AcquireReply>> {
-        let mut script_keys = Vec::with_capacity(5 + ids.len());
+        let mut script_keys = Vec::with_capacity(6 + ids.len());
         script_keys.extend([
             keys.leases.clone(),
             keys.holders.clone(),
             keys.fence.clone(),
             keys.epoch.clone(),
             keys.quarantine.clone(),
+            keys.waiting.clone(),
         ]);
         script_keys.extend(ids.iter().map(|id| keys.cancel(id)));
         let mut args = Vec::with_capacity(3 + ids.len());
@@ -506,7 +507,11 @@ impl RedisBackend {
             .invoke(
                 keys.name.clone(),
                 &RELEASE,
-                vec![keys.leases.clone(), keys.holders.clone()],
+                vec![
+                    keys.leases.clone(),
+                    keys.holders.clone(),
+                    keys.waiting.clone(),
+                ],
                 args,
             )
             .await?;

@@ -1,7 +1,7 @@
 -- leasehold protocol v1: acquire, for one or more task ids in order
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
 -- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
--- KEYS[5+k] the cancel marker of the k-th task id
+-- KEYS[6] waiting (STRING, with a TTL: someone was refused lately)   KEYS[6+k] the cancel marker of the k-th task id
 -- ARGV[1] ttl ms   ARGV[2] limit   ARGV[3] the epoch the caller last saw, or ''
 -- ARGV[3+k] the k-th task id (at least one, at most 1000)
 -- Reply: {epoch, now_ms, then four values per task id, in argument order}:
@@ -41,7 +41,7 @@ end
 
 local n = #ARGV - 3
 local ids = {unpack(ARGV, 4, 3 + n)}
-local markers = redis.call('MGET', unpack(KEYS, 6, 5 + n))
+local markers = redis.call('MGET', unpack(KEYS, 7, 6 + n))
 local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
 local metas = {}
 for k = 1, n do
@@ -118,6 +118,11 @@ end
 
 if #extended > 0 then
   redis.call('ZADD', KEYS[1], 'XX', unpack(extended))
+end
+if earliest then
+  -- Someone was refused and may wait: releases are announced for the next two ttls. A waiter
+  -- retries at the earliest deadline at the latest (within one ttl), which renews this.
+  redis.call('SET', KEYS[6], '1', 'PX', 2 * ttl)
 end
 if #admitted > 0 then
   redis.call('SET', KEYS[3], string.format('%d', fence))

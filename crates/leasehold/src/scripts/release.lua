@@ -1,9 +1,11 @@
 -- leasehold protocol v1: release, for one or more leases in order
--- KEYS[1] leases   KEYS[2] holders
+-- KEYS[1] leases   KEYS[2] holders   KEYS[3] waiting (STRING, with a TTL: someone was refused lately)
 -- ARGV[1] channel, then pairs: ARGV[2k] task id, ARGV[2k+1] fencing token, or '*' for an
 -- operator's forced release (at least one pair, at most 1000)
--- Reply: one value per pair, in argument order: 1 if a lease was removed (and announced on the
--- channel), 0 otherwise. One call for k pairs answers exactly what k calls in a row would.
+-- Reply: one value per pair, in argument order: 1 if a lease was removed, 0 otherwise. A removal
+-- is announced on the channel when someone may be waiting (the waiting marker exists) or when it
+-- was forced (its holder must learn it). One call for k pairs answers exactly what k calls in a
+-- row would.
 local ids, wanted = {}, {}
 for k = 2, #ARGV, 2 do
   ids[#ids + 1] = ARGV[k]
@@ -12,6 +14,7 @@ end
 local metas = redis.call('HMGET', KEYS[2], unpack(ids))
 local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
 
+local someone_waits = redis.call('EXISTS', KEYS[3]) == 1
 local unhold, unlease, announce = {}, {}, {}
 local gone = {}
 local out = {}
@@ -32,7 +35,9 @@ for k = 1, #ids do
       gone[id] = true
       if scores[k] then
         unlease[#unlease + 1] = id
-        announce[#announce + 1] = 'released:' .. token .. ':' .. id
+        if someone_waits or wanted[k] == '*' then
+          announce[#announce + 1] = 'released:' .. token .. ':' .. id
+        end
         released = 1
       end
     end
