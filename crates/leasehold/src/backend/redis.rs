@@ -71,10 +71,10 @@ struct Inner {
     /// Quota name -> the epochs this process knows: sent with every acquire and renew so the
     /// server can tell that it lost the quota's state (protocol, "Dataset loss").
     epochs: Mutex<HashMap<String, Epochs>>,
-    /// Admission attempts that share script calls, per (quota, ttl in ms, limit).
-    acquires: Mutex<HashMap<(String, u128, u32), Arc<AcquireBatcher>>>,
+    /// Admission attempts that share script calls: per quota, then per (ttl in ms, limit).
+    acquires: Mutex<HashMap<String, AcquireQueues>>,
     /// Releases `(task id, token or "*")` that share script calls, per quota.
-    releases: Mutex<HashMap<String, Arc<ReleaseBatcher>>>,
+    releases: Mutex<HashMap<String, Arc<Queue<ReleaseBatcher>>>>,
 }
 
 /// Admission attempts (task ids) of one quota, ttl and limit, sent together.
@@ -82,6 +82,16 @@ type AcquireBatcher = Batcher<String, AcquireReply>;
 
 /// Releases `(task id, token or "*")` of one quota, sent together.
 type ReleaseBatcher = Batcher<(String, String), bool>;
+
+/// The admission queues of one quota, by (ttl in ms, limit).
+type AcquireQueues = HashMap<(u128, u32), Arc<Queue<AcquireBatcher>>>;
+
+/// The calls of one kind for one quota waiting to be sent, with the quota's keys (so that a call
+/// copies no key names until its batch is built).
+struct Queue<B> {
+    keys: Arc<QuotaKeys>,
+    batcher: Arc<B>,
+}
 
 /// The epochs of one quota as this process knows them.
 #[derive(Debug, Default, Clone)]
@@ -536,21 +546,31 @@ impl Backend for RedisBackend {
         ttl: Duration,
         limit: u32,
     ) -> Result<AcquireReply> {
-        let batcher = {
+        let queue = {
             let mut acquires = self
                 .inner
                 .acquires
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            acquires
-                .entry((keys.name.clone(), ttl.as_millis(), limit))
-                .or_insert_with(|| Arc::new(Batcher::new(CALL_BATCH)))
+            let by_settings = match acquires.get_mut(keys.name.as_str()) {
+                Some(found) => found,
+                None => acquires.entry(keys.name.clone()).or_default(),
+            };
+            by_settings
+                .entry((ttl.as_millis(), limit))
+                .or_insert_with(|| {
+                    Arc::new(Queue {
+                        keys: Arc::new(keys.clone()),
+                        batcher: Arc::new(Batcher::new(CALL_BATCH)),
+                    })
+                })
                 .clone()
         };
-        let (this, keys) = (self.clone(), keys.clone());
-        batcher
+        let (this, batch_keys) = (self.clone(), queue.keys.clone());
+        queue
+            .batcher
             .submit(task_id.to_owned(), move |ids| {
-                let (this, keys) = (this.clone(), keys.clone());
+                let (this, keys) = (this.clone(), batch_keys.clone());
                 async move { this.acquire_batch(&keys, ttl, limit, ids).await }
             })
             .await
@@ -580,21 +600,30 @@ impl Backend for RedisBackend {
 
     async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool> {
         let token = token.map_or_else(|| "*".to_owned(), |t| t.to_string());
-        let batcher = {
+        let queue = {
             let mut releases = self
                 .inner
                 .releases
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            releases
-                .entry(keys.name.clone())
-                .or_insert_with(|| Arc::new(Batcher::new(CALL_BATCH)))
-                .clone()
+            match releases.get(keys.name.as_str()) {
+                Some(found) => found.clone(),
+                None => releases
+                    .entry(keys.name.clone())
+                    .or_insert_with(|| {
+                        Arc::new(Queue {
+                            keys: Arc::new(keys.clone()),
+                            batcher: Arc::new(Batcher::new(CALL_BATCH)),
+                        })
+                    })
+                    .clone(),
+            }
         };
-        let (this, keys) = (self.clone(), keys.clone());
-        batcher
+        let (this, batch_keys) = (self.clone(), queue.keys.clone());
+        queue
+            .batcher
             .submit((task_id.to_owned(), token), move |leases| {
-                let (this, keys) = (this.clone(), keys.clone());
+                let (this, keys) = (this.clone(), batch_keys.clone());
                 async move { this.release_batch(&keys, leases).await }
             })
             .await
