@@ -111,9 +111,38 @@ fn system_time(ms: u64) -> SystemTime {
 }
 
 /// What one admission attempt produced.
-enum Attempt {
+pub(crate) enum Attempt {
     Admitted(Lease),
     Full { retry_after: Duration },
+}
+
+/// An admission attempt under way (or decided at once, without the backend).
+pub(crate) enum StartedAttempt {
+    Done(Result<Attempt>),
+    Running(oneshot::Receiver<Result<Attempt>>),
+}
+
+impl std::fmt::Debug for StartedAttempt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StartedAttempt::Done(_) => "StartedAttempt::Done",
+            StartedAttempt::Running(_) => "StartedAttempt::Running",
+        })
+    }
+}
+
+impl StartedAttempt {
+    /// Waits for the attempt's outcome.
+    pub(crate) async fn outcome(self) -> Result<Attempt> {
+        match self {
+            StartedAttempt::Done(outcome) => outcome,
+            StartedAttempt::Running(rx) => rx.await.unwrap_or_else(|_| {
+                Err(Error::BackendUnavailable(
+                    "leasehold runtime stopped during an attempt".into(),
+                ))
+            }),
+        }
+    }
 }
 
 impl Quota {
@@ -303,7 +332,12 @@ impl Quota {
                 retry_after = shared.until_expiry_or_poll();
                 continue;
             }
-            match self.attempt(task_id).await? {
+            // A release event may already have started this waiter's attempt.
+            let attempt = match place.take_started() {
+                Some(started) => started,
+                None => shared.start_attempt(task_id),
+            };
+            match attempt.outcome().await? {
                 Attempt::Admitted(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r } => {
                     retry_after = r;
@@ -321,63 +355,7 @@ impl Quota {
     /// One admission attempt, run to completion on the leasehold runtime even if the caller stops
     /// waiting: a late admission nobody takes is released at once.
     async fn attempt(&self, task_id: &str) -> Result<Attempt> {
-        if self.shared.breaker.permit() == Permit::Reject {
-            // O(1), no network I/O: the circuit is open.
-            let down = Error::BackendUnavailable("circuit open after repeated failures".into());
-            return self.shared.when_down(task_id, down);
-        }
-        let (tx, rx) = oneshot::channel();
-        let shared = self.shared.clone();
-        let id = task_id.to_owned();
-        runtime::spawn(async move {
-            let _counted = AttemptInFlight::new(&shared, &id);
-            let sent = Instant::now();
-            let reply = shared
-                .backend
-                .acquire(&shared.keys, &id, shared.config.ttl, shared.config.limit)
-                .await;
-            shared.record_backend_result(&reply);
-            let outcome = match reply {
-                Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
-                    Ok(Attempt::Admitted(shared.adopt(&record, sent)))
-                }
-                Ok(AcquireReply::Full {
-                    now_ms,
-                    earliest_deadline_ms,
-                }) => {
-                    // The first expiry in server time, plus 1 ms so the reap sees it passed.
-                    let retry_after =
-                        Duration::from_millis(earliest_deadline_ms.saturating_sub(now_ms) + 1);
-                    shared.waiters.note_expiry(Instant::now() + retry_after);
-                    Ok(Attempt::Full { retry_after })
-                }
-                Ok(AcquireReply::Quarantined { remaining_ms }) => {
-                    tracing::warn!(quota = %shared.keys.name, remaining_ms,
-                        "admissions quarantined: the backend lost the quota's state");
-                    Ok(Attempt::Full {
-                        retry_after: Duration::from_millis(remaining_ms + 1),
-                    })
-                }
-                Ok(AcquireReply::Cancelled { reason }) => Err(Error::Cancelled(reason)),
-                Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
-                Err(e) => Err(e),
-            };
-            if let Err(Ok(Attempt::Admitted(orphan))) = tx.send(outcome) {
-                // The caller gave up. A retry of the same task already in flight will come back
-                // `held` with this very lease: keep it until that retry has adopted it, then let
-                // it go; if nobody shares it, its drop releases it at once.
-                let until = Instant::now() + ORPHAN_GRACE;
-                while shared.attempts_in_flight(&id) > 1 && Instant::now() < until {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                drop(orphan);
-            }
-        });
-        rx.await.unwrap_or_else(|_| {
-            Err(Error::BackendUnavailable(
-                "leasehold runtime stopped during an attempt".into(),
-            ))
-        })
+        self.shared.start_attempt(task_id).outcome().await
     }
 
     /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
@@ -442,6 +420,64 @@ impl Drop for Shared {
 }
 
 impl Shared {
+    /// Starts one admission attempt of `task_id` on the leasehold runtime; it runs to completion
+    /// even if nobody waits for its outcome any more (a late admission nobody takes is released).
+    pub(crate) fn start_attempt(self: &Arc<Self>, task_id: &str) -> StartedAttempt {
+        if self.breaker.permit() == Permit::Reject {
+            // O(1), no network I/O: the circuit is open.
+            let down = Error::BackendUnavailable("circuit open after repeated failures".into());
+            return StartedAttempt::Done(self.when_down(task_id, down));
+        }
+        let (tx, rx) = oneshot::channel();
+        let shared = self.clone();
+        let id = task_id.to_owned();
+        runtime::spawn(async move {
+            let _counted = AttemptInFlight::new(&shared, &id);
+            let sent = Instant::now();
+            let reply = shared
+                .backend
+                .acquire(&shared.keys, &id, shared.config.ttl, shared.config.limit)
+                .await;
+            shared.record_backend_result(&reply);
+            let outcome = match reply {
+                Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
+                    Ok(Attempt::Admitted(shared.adopt(&record, sent)))
+                }
+                Ok(AcquireReply::Full {
+                    now_ms,
+                    earliest_deadline_ms,
+                }) => {
+                    // The first expiry in server time, plus 1 ms so the reap sees it passed.
+                    let retry_after =
+                        Duration::from_millis(earliest_deadline_ms.saturating_sub(now_ms) + 1);
+                    shared.waiters.note_expiry(Instant::now() + retry_after);
+                    Ok(Attempt::Full { retry_after })
+                }
+                Ok(AcquireReply::Quarantined { remaining_ms }) => {
+                    tracing::warn!(quota = %shared.keys.name, remaining_ms,
+                        "admissions quarantined: the backend lost the quota's state");
+                    Ok(Attempt::Full {
+                        retry_after: Duration::from_millis(remaining_ms + 1),
+                    })
+                }
+                Ok(AcquireReply::Cancelled { reason }) => Err(Error::Cancelled(reason)),
+                Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
+                Err(e) => Err(e),
+            };
+            if let Err(Ok(Attempt::Admitted(orphan))) = tx.send(outcome) {
+                // The caller gave up. A retry of the same task already in flight will come back
+                // `held` with this very lease: keep it until that retry has adopted it, then let
+                // it go; if nobody shares it, its drop releases it at once.
+                let until = Instant::now() + ORPHAN_GRACE;
+                while shared.attempts_in_flight(&id) > 1 && Instant::now() < until {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                drop(orphan);
+            }
+        });
+        StartedAttempt::Running(rx)
+    }
+
     /// True when `task_id` holds a live lease in this process.
     fn holds(&self, task_id: &str) -> bool {
         self.lease(task_id).is_some()
@@ -481,9 +517,10 @@ impl Shared {
             .unwrap_or(self.config.poll_interval)
     }
 
-    /// Wakes one waiter: a slot may have freed.
-    pub(crate) fn slot_freed(&self) {
-        self.waiters.wake_one();
+    /// Wakes one waiter, with its attempt already started: a slot may have freed.
+    pub(crate) fn slot_freed(self: &Arc<Self>) {
+        self.waiters
+            .wake_one_starting(|task_id| self.start_attempt(task_id));
     }
 
     /// Wakes every waiter: events may have been missed.

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use crate::quota::StartedAttempt;
+
 #[derive(Debug, Default)]
 pub(crate) struct WaitQueue {
     queue: Mutex<VecDeque<Arc<Waiter>>>,
@@ -29,6 +31,8 @@ pub(crate) struct Waiter {
     attempt: AtomicBool,
     /// True while the waiter is attempting, so further wake-ups go to the next waiter.
     busy: AtomicBool,
+    /// An attempt the waker already started on this waiter's behalf (see `wake_one_starting`).
+    started: Mutex<Option<StartedAttempt>>,
 }
 
 /// A place in the queue; leaving it (drop) hands any pending wake-up to the next waiter.
@@ -85,6 +89,29 @@ impl WaitQueue {
         }
     }
 
+    /// A slot was freed: like [`wake_one`](Self::wake_one), but the chosen idle waiter's attempt
+    /// is started here, by `start`, so it leaves at once from where the news arrived instead of
+    /// after a hop to the waiter's own runtime and back.
+    pub(crate) fn wake_one_starting(&self, start: impl FnOnce(&str) -> StartedAttempt) {
+        let queue = self.lock();
+        let idle = queue
+            .iter()
+            .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire));
+        match idle {
+            Some(w) => {
+                *w.started.lock().unwrap_or_else(|e| e.into_inner()) = Some(start(&w.task_id));
+                w.attempt.store(true, Ordering::Release);
+                w.notify.notify_one();
+            }
+            None => {
+                if let Some(head) = queue.front() {
+                    head.attempt.store(true, Ordering::Release);
+                    head.notify.notify_one();
+                }
+            }
+        }
+    }
+
     /// Something may have been missed (lagging events, a resubscription): everyone re-checks.
     pub(crate) fn wake_all(&self) {
         for w in self.lock().iter() {
@@ -133,6 +160,16 @@ impl Place<'_> {
     pub(crate) fn attempting(&self) {
         self.waiter.busy.store(true, Ordering::Release);
         self.waiter.attempt.store(false, Ordering::Release);
+    }
+
+    /// The attempt a waker started for this waiter, if any: the waiter uses it instead of
+    /// starting its own.
+    pub(crate) fn take_started(&self) -> Option<StartedAttempt> {
+        self.waiter
+            .started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// The attempt found no slot: the waiter waits again and may take wake-ups.
