@@ -706,3 +706,42 @@ fn distinct(tokens: &[u64]) -> usize {
         .collect::<std::collections::HashSet<_>>()
         .len()
 }
+
+#[tokio::test]
+async fn a_wait_longer_than_the_waiting_marker_keeps_releases_announced() {
+    let server = RedisServer::start();
+    let ttl = Duration::from_millis(500);
+    let holders = quota_on(&server, "long-wait", 1, ttl).await;
+    let holder = holders.try_acquire("holder").await.unwrap();
+    let waiters = Quota::builder("long-wait")
+        .limit(1)
+        .ttl(ttl)
+        .poll_interval(Duration::from_secs(20))
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    let waiter = tokio::spawn(async move {
+        let lease = waiters.acquire("waiter").await.unwrap();
+        (Instant::now(), lease)
+    });
+    // The first refusal marked the quota for 2 × ttl; the waiter's retries at each expiry
+    // deadline of the (renewed) holder must have kept the mark alive since.
+    tokio::time::sleep(ttl * 5).await;
+    let marker = server
+        .command(&["PTTL", "leasehold:{long-wait}:waiting"])
+        .as_int()
+        .unwrap();
+    assert!(marker > 0, "the waiting marker lapsed: PTTL {marker}");
+    assert!(holder.is_held());
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let (admitted, _lease) = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    println!(
+        "after 5 ttls of waiting: marker PTTL {marker} ms, release-to-admission {:?}",
+        admitted - released
+    );
+    assert!(admitted - released < ttl);
+}
