@@ -53,8 +53,10 @@ end
 
 -- Read once per call, when first needed, and kept up to date by this call's own writes.
 local count, quarantine_left, fence, earliest
--- Writes are gathered and sent once at the end.
-local extended, admitted, admitted_meta = {}, {}, {}
+-- The latest expiry hint given to a refused task id, if any was refused.
+local refused
+-- Admissions are gathered and written once at the end.
+local admitted, admitted_meta = {}, {}
 local answered = {}
 
 local out = {epoch, now}
@@ -71,8 +73,9 @@ for k = 1, n do
     code, a = 3, markers[k]
   elseif scores[k] and metas[k] then
     local deadline = math.max(tonumber(scores[k]), now + ttl)
-    extended[#extended + 1] = deadline
-    extended[#extended + 1] = id
+    redis.call('ZADD', KEYS[1], 'XX', deadline, id)
+    -- The extended lease may have been the earliest: read the hint again when needed.
+    earliest = nil
     local sep = string.find(metas[k], ':', 1, true)
     code, a, b, c = 2, tonumber(string.sub(metas[k], 1, sep - 1)), tonumber(string.sub(metas[k], sep + 1)), deadline
   else
@@ -92,20 +95,23 @@ for k = 1, n do
       admitted_meta[#admitted_meta + 1] = id
       admitted_meta[#admitted_meta + 1] = string.format('%d:%d', fence, now)
       count = count + 1
+      if earliest then earliest = math.min(earliest, deadline) end
       code, a, b, c = 1, fence, now, deadline
     else
-      if metas[k] then
+      if not scores[k] then
         redis.call('HDEL', KEYS[2], id)
       end
       if quarantine_left > 0 then
         code, a = 4, quarantine_left
       else
         if not earliest then
+          -- This call's admissions are not written yet; they expire at now + ttl.
           local lowest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
           earliest = lowest and tonumber(lowest) or now + ttl
           if #admitted > 0 then earliest = math.min(earliest, now + ttl) end
         end
         code, a = 0, earliest
+        refused = math.max(refused or 0, earliest)
       end
     end
   end
@@ -116,13 +122,15 @@ for k = 1, n do
   out[#out + 1] = c
 end
 
-if #extended > 0 then
-  redis.call('ZADD', KEYS[1], 'XX', unpack(extended))
-end
-if earliest then
-  -- Someone was refused and may wait: releases are announced for the next two ttls. A waiter
-  -- retries at the earliest deadline at the latest (within one ttl), which renews this.
-  redis.call('SET', KEYS[6], '1', 'PX', 2 * ttl)
+if refused then
+  -- Someone was refused and may wait: releases are announced while this marker lives. The
+  -- refused caller retries by the earliest deadline, or within its own ttl, whichever is first,
+  -- and that retry renews the marker; it is never shortened, so callers with another ttl
+  -- cannot cut a waiter's marker short.
+  local want = math.max(2 * ttl, refused - now + ttl)
+  if redis.call('PTTL', KEYS[6]) < want then
+    redis.call('SET', KEYS[6], '1', 'PX', want)
+  end
 end
 if #admitted > 0 then
   redis.call('SET', KEYS[3], string.format('%d', fence))
