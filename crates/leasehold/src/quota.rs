@@ -116,17 +116,26 @@ pub(crate) enum Attempt {
     Full { retry_after: Duration },
 }
 
+/// How long an attempt started for a waiter by a release event keeps a slot it won for that
+/// waiter to take. A waiter whose runtime does not run it by then (blocked, wedged) must not sit
+/// on a slot others could use: the admission is released and the waiter tries again later.
+const TAKE_GRACE: Duration = Duration::from_millis(100);
+
 /// An admission attempt under way (or decided at once, without the backend).
 pub(crate) enum StartedAttempt {
     Done(Result<Attempt>),
-    Running(oneshot::Receiver<Result<Attempt>>),
+    Running {
+        outcome: oneshot::Receiver<Result<Attempt>>,
+        /// For an attempt started on a waiter's behalf: tells it the waiter is there to take it.
+        taken: Option<oneshot::Sender<()>>,
+    },
 }
 
 impl std::fmt::Debug for StartedAttempt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             StartedAttempt::Done(_) => "StartedAttempt::Done",
-            StartedAttempt::Running(_) => "StartedAttempt::Running",
+            StartedAttempt::Running { .. } => "StartedAttempt::Running",
         })
     }
 }
@@ -136,11 +145,16 @@ impl StartedAttempt {
     pub(crate) async fn outcome(self) -> Result<Attempt> {
         match self {
             StartedAttempt::Done(outcome) => outcome,
-            StartedAttempt::Running(rx) => rx.await.unwrap_or_else(|_| {
-                Err(Error::BackendUnavailable(
-                    "leasehold runtime stopped during an attempt".into(),
-                ))
-            }),
+            StartedAttempt::Running { outcome, taken } => {
+                if let Some(taken) = taken {
+                    let _ = taken.send(());
+                }
+                outcome.await.unwrap_or_else(|_| {
+                    Err(Error::BackendUnavailable(
+                        "leasehold runtime stopped during an attempt".into(),
+                    ))
+                })
+            }
         }
     }
 }
@@ -317,7 +331,11 @@ impl Quota {
         let place = shared.waiters.join(task_id);
         loop {
             let sleep = if place.is_head() {
-                self.jitter(shared.config.poll_interval).min(retry_after)
+                // At most one ttl: a refusal keeps releases announced (the `waiting` marker) only
+                // for as long as some waiter comes back within that time.
+                self.jitter(shared.config.poll_interval)
+                    .min(retry_after)
+                    .min(shared.config.ttl)
             } else {
                 // Not first in line: the head watches expiries; poll rarely, as a safety net.
                 self.jitter(shared.config.poll_interval * 4)
@@ -423,12 +441,25 @@ impl Shared {
     /// Starts one admission attempt of `task_id` on the leasehold runtime; it runs to completion
     /// even if nobody waits for its outcome any more (a late admission nobody takes is released).
     pub(crate) fn start_attempt(self: &Arc<Self>, task_id: &str) -> StartedAttempt {
+        self.start_attempt_for(task_id, false)
+    }
+
+    /// Starts an attempt like [`start_attempt`](Self::start_attempt); when `for_waiter`, the
+    /// waiter must take it within [`TAKE_GRACE`] of its reply, or a slot it won is given back.
+    fn start_attempt_for(self: &Arc<Self>, task_id: &str, for_waiter: bool) -> StartedAttempt {
         if self.breaker.permit() == Permit::Reject {
             // O(1), no network I/O: the circuit is open.
             let down = Error::BackendUnavailable("circuit open after repeated failures".into());
             return StartedAttempt::Done(self.when_down(task_id, down));
         }
         let (tx, rx) = oneshot::channel();
+        let (taken, taken_rx) = match for_waiter {
+            true => {
+                let (taken, taken_rx) = oneshot::channel();
+                (Some(taken), Some(taken_rx))
+            }
+            false => (None, None),
+        };
         let shared = self.clone();
         let id = task_id.to_owned();
         runtime::spawn(async move {
@@ -439,6 +470,24 @@ impl Shared {
                 .acquire(&shared.keys, &id, shared.config.ttl, shared.config.limit)
                 .await;
             shared.record_backend_result(&reply);
+            if let Some(taken_rx) = taken_rx {
+                // Usually taken long before the reply; otherwise the waiter is not running.
+                let taken = matches!(tokio::time::timeout(TAKE_GRACE, taken_rx).await, Ok(Ok(())));
+                if !taken {
+                    if let Ok(AcquireReply::Acquired(record)) = &reply {
+                        if let Err(e) = shared.release_in_backend(&id, Some(record.token)).await {
+                            tracing::warn!(quota = %shared.keys.name, task_id = %id, error = %e,
+                                "could not give back a slot its waiter did not take; \
+                                 it expires after its ttl");
+                        }
+                    }
+                    // A waiter that runs later tries again at once.
+                    let _ = tx.send(Ok(Attempt::Full {
+                        retry_after: Duration::ZERO,
+                    }));
+                    return;
+                }
+            }
             let outcome = match reply {
                 Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
                     Ok(Attempt::Admitted(shared.adopt(&record, sent)))
@@ -475,7 +524,7 @@ impl Shared {
                 drop(orphan);
             }
         });
-        StartedAttempt::Running(rx)
+        StartedAttempt::Running { outcome: rx, taken }
     }
 
     /// True when `task_id` holds a live lease in this process.
@@ -520,7 +569,7 @@ impl Shared {
     /// Wakes one waiter, with its attempt already started: a slot may have freed.
     pub(crate) fn slot_freed(self: &Arc<Self>) {
         self.waiters
-            .wake_one_starting(|task_id| self.start_attempt(task_id));
+            .wake_one_starting(|task_id| self.start_attempt_for(task_id, true));
     }
 
     /// Wakes every waiter: events may have been missed.

@@ -93,23 +93,35 @@ impl WaitQueue {
     /// is started here, by `start`, so it leaves at once from where the news arrived instead of
     /// after a hop to the waiter's own runtime and back.
     pub(crate) fn wake_one_starting(&self, start: impl FnOnce(&str) -> StartedAttempt) {
-        let queue = self.lock();
-        let idle = queue
-            .iter()
-            .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire));
-        match idle {
-            Some(w) => {
-                *w.started.lock().unwrap_or_else(|e| e.into_inner()) = Some(start(&w.task_id));
-                w.attempt.store(true, Ordering::Release);
-                w.notify.notify_one();
-            }
-            None => {
-                if let Some(head) = queue.front() {
-                    head.attempt.store(true, Ordering::Release);
-                    head.notify.notify_one();
+        // `start` runs under the queue's lock: it only spawns a task, reads the short-circuit or
+        // builds a local lease, none of which comes back to this queue. A replaced attempt (a
+        // race with the waiter's own timer) is dropped after the lock, since its lease's drop
+        // takes other locks.
+        let mut replaced = None;
+        {
+            let queue = self.lock();
+            let idle = queue
+                .iter()
+                .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire));
+            match idle {
+                Some(w) => {
+                    replaced = w
+                        .started
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .replace(start(&w.task_id));
+                    w.attempt.store(true, Ordering::Release);
+                    w.notify.notify_one();
+                }
+                None => {
+                    if let Some(head) = queue.front() {
+                        head.attempt.store(true, Ordering::Release);
+                        head.notify.notify_one();
+                    }
                 }
             }
         }
+        drop(replaced);
     }
 
     /// Something may have been missed (lagging events, a resubscription): everyone re-checks.
