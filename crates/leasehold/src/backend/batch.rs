@@ -42,6 +42,20 @@ impl<Req, Resp> std::fmt::Debug for Batcher<Req, Resp> {
     }
 }
 
+/// Armed (`Some`) while a scheduled send has not taken the queue yet.
+struct Unsent<Req, Resp>(Option<Arc<Batcher<Req, Resp>>>);
+
+impl<Req, Resp> Drop for Unsent<Req, Resp> {
+    fn drop(&mut self) {
+        if let Some(batcher) = self.0.take() {
+            let mut state = batcher.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.scheduled = false;
+            // Dropping the reply senders answers each caller "runtime stopped".
+            state.queue.clear();
+        }
+    }
+}
+
 impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// A batcher that sends at most `max_batch` requests per call.
     pub(crate) fn new(max_batch: usize) -> Self {
@@ -94,7 +108,11 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     {
         // Boxed: the future spawns its own kind.
         Box::pin(async move {
+            // If this task is dropped before it takes the queue (the runtime shuts down), the
+            // queued callers must hear of it and later calls must schedule a send again.
+            let mut unsent = Unsent(Some(self.clone()));
             tokio::task::yield_now().await;
+            unsent.0 = None;
             let batch: Vec<_> = {
                 let mut state = self.lock();
                 let n = state.queue.len().min(self.max_batch);
@@ -230,5 +248,25 @@ mod tests {
             Err(Error::Misconfigured(Misconfiguration::Protocol(_)))
         ));
         assert!(!batcher.lock().scheduled, "no send left scheduled");
+    }
+
+    #[tokio::test]
+    async fn a_send_dropped_before_it_took_the_queue_fails_the_queued_calls_and_rearms() {
+        let batcher = Arc::new(Batcher::<u32, u32>::new(8));
+        let (reply, answer) = oneshot::channel();
+        {
+            let mut state = batcher.lock();
+            state.queue.push_back(Pending { request: 1, reply });
+            state.scheduled = true;
+        }
+        // What the runtime does to a scheduled send when it shuts down.
+        drop(Unsent(Some(batcher.clone())));
+        assert!(answer.await.is_err(), "the queued caller hears of it");
+        assert!(
+            !batcher.lock().scheduled,
+            "a later call schedules a send again"
+        );
+        let send = |batch: Vec<u32>| async move { Ok(batch) };
+        assert_eq!(batcher.submit(2, send).await.unwrap(), 2);
     }
 }
