@@ -586,35 +586,46 @@ fn ints(reply: &leasehold_testkit::Reply) -> Vec<i64> {
     }
 }
 
+/// Runs acquire.lua directly for the quota `quota`, with no epoch, as a client in another
+/// language would.
+fn eval_acquire(
+    server: &RedisServer,
+    quota: &str,
+    ttl_ms: u64,
+    limit: u32,
+    ids: &[&str],
+) -> leasehold_testkit::Reply {
+    let k = |suffix: &str| format!("leasehold:{{{quota}}}:{suffix}");
+    let mut keys: Vec<String> = [
+        "leases",
+        "holders",
+        "fence",
+        "epoch",
+        "quarantine",
+        "waiting",
+    ]
+    .iter()
+    .map(|s| k(s))
+    .collect();
+    keys.extend(ids.iter().map(|id| k(&format!("cancel:{id}"))));
+    let (numkeys, ttl, limit) = (
+        keys.len().to_string(),
+        ttl_ms.to_string(),
+        limit.to_string(),
+    );
+    let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
+    args.extend(keys.iter().map(String::as_str));
+    args.extend([ttl.as_str(), limit.as_str(), ""]);
+    args.extend(ids);
+    server.command(&args)
+}
+
 #[test]
 fn one_script_call_for_many_tasks_answers_like_calls_in_a_row() {
     let server = RedisServer::start();
     let k = |suffix: &str| format!("leasehold:{{rows}}:{suffix}");
-    let (leases, holders, fence, epoch, quarantine, waiting) = (
-        k("leases"),
-        k("holders"),
-        k("fence"),
-        k("epoch"),
-        k("quarantine"),
-        k("waiting"),
-    );
-    let acquire = |ids: &[&str]| {
-        let cancel_keys: Vec<String> = ids.iter().map(|id| k(&format!("cancel:{id}"))).collect();
-        let numkeys = (6 + ids.len()).to_string();
-        let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
-        args.extend([
-            &*leases,
-            &*holders,
-            &*fence,
-            &*epoch,
-            &*quarantine,
-            &*waiting,
-        ]);
-        args.extend(cancel_keys.iter().map(String::as_str));
-        args.extend(["10000", "2", ""]);
-        args.extend(ids);
-        server.command(&args)
-    };
+    let (leases, holders, fence, waiting) = (k("leases"), k("holders"), k("fence"), k("waiting"));
+    let acquire = |ids: &[&str]| eval_acquire(&server, "rows", 10_000, 2, ids);
     let events = k("events");
     let release = |pairs: &[&str]| {
         let mut args = vec![
@@ -744,4 +755,115 @@ async fn a_wait_longer_than_the_waiting_marker_keeps_releases_announced() {
         admitted - released
     );
     assert!(admitted - released < ttl);
+}
+
+#[test]
+fn batched_refusals_give_true_expiry_hints_and_never_shorten_the_waiting_marker() {
+    let server = RedisServer::start();
+    let now = || server.command(&["TIME"]);
+    let now_ms = || match now() {
+        leasehold_testkit::Reply::Array(t) => {
+            t[0].as_string().unwrap().parse::<i64>().unwrap() * 1000
+                + t[1].as_string().unwrap().parse::<i64>().unwrap() / 1000
+        }
+        other => panic!("{other:?}"),
+    };
+    let ints_of = |reply: &leasehold_testkit::Reply| ints(reply)[2..].to_vec();
+
+    // Limit 2: `old` expires in 1 s, `young` in 9 s. Extending `old` in the same call must move
+    // the hint given to `x` to young's deadline, as two calls in a row would.
+    let t = now_ms();
+    server.command(&[
+        "ZADD",
+        "leasehold:{hint}:leases",
+        &(t + 1000).to_string(),
+        "old",
+    ]);
+    server.command(&[
+        "ZADD",
+        "leasehold:{hint}:leases",
+        &(t + 9000).to_string(),
+        "young",
+    ]);
+    server.command(&[
+        "HSET",
+        "leasehold:{hint}:holders",
+        "old",
+        "1:0",
+        "young",
+        "2:0",
+    ]);
+    let answers = ints_of(&eval_acquire(&server, "hint", 10_000, 2, &["old", "x"]));
+    assert_eq!(answers[0], 2, "old is held and extended");
+    assert_eq!(answers[4], 0, "x is refused");
+    assert!(
+        answers[5] >= t + 9000,
+        "x's hint is young's deadline, not old's deadline before its extension: {}",
+        answers[5] - t
+    );
+
+    // A holders field without a leases member is dropped on refusal, alone in its call too.
+    server.command(&["HSET", "leasehold:{hint}:holders", "stray", "7:0"]);
+    eval_acquire(&server, "hint", 10_000, 2, &["stray"]);
+    assert_eq!(
+        server
+            .command(&["HEXISTS", "leasehold:{hint}:holders", "stray"])
+            .as_int(),
+        Some(0)
+    );
+
+    // A long-ttl waiter's marker is not cut short by a short-ttl caller's refusal.
+    eval_acquire(&server, "hint", 60_000, 2, &["long-waiter"]);
+    let long = server
+        .command(&["PTTL", "leasehold:{hint}:waiting"])
+        .as_int()
+        .unwrap();
+    eval_acquire(&server, "hint", 100, 2, &["short-waiter"]);
+    let after = server
+        .command(&["PTTL", "leasehold:{hint}:waiting"])
+        .as_int()
+        .unwrap();
+    assert!(long > 100_000 && after > 100_000, "{long} then {after}");
+}
+
+#[test]
+fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
+    let server = RedisServer::start();
+    let ttl = Duration::from_secs(2);
+    let main = tokio::runtime::Runtime::new().unwrap();
+    let holders = main.block_on(quota_on(&server, "wedged", 1, ttl));
+    let holder = main.block_on(holders.try_acquire("holder")).unwrap();
+    let url = server.url();
+    let app = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let waiters = Quota::builder("wedged")
+                .limit(1)
+                .ttl(ttl)
+                .backend(RedisBackend::connect(&url).await.unwrap())
+                .build()
+                .unwrap();
+            let waiter = tokio::spawn(async move { waiters.acquire("wedged-waiter").await });
+            tokio::time::sleep(Duration::from_millis(300)).await; // refused once, waiting
+            std::thread::sleep(Duration::from_secs(3)); // this runtime is wedged: nothing runs
+            drop(waiter);
+        });
+    });
+    std::thread::sleep(Duration::from_millis(600));
+    main.block_on(holder.release()).unwrap();
+    // The release event may win the slot for the wedged waiter, but it must give it back well
+    // before the slot would expire (one ttl): a task that cannot run must not sit on it.
+    std::thread::sleep(ttl / 3);
+    let other = main.block_on(holders.try_acquire("runnable"));
+    let status = main.block_on(holders.status()).unwrap();
+    let held: Vec<_> = status.holders.iter().map(|h| h.task_id.clone()).collect();
+    println!("ttl/3 after the release, while the waiter's runtime is wedged: holders {held:?}");
+    assert!(
+        other.is_ok(),
+        "a task that cannot run kept the slot: {held:?}, {other:?}"
+    );
+    app.join().unwrap();
 }
