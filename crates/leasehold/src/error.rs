@@ -6,10 +6,12 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LostReason {
     /// A renewal found the lease gone from the backend: its deadline passed (the holder stopped
-    /// renewing for longer than the ttl) or the backend lost its state.
+    /// renewing for longer than the ttl), the backend lost its state, or another process that
+    /// shared the lease released it while nobody waited (such a release is not announced).
     Expired,
-    /// The lease was released by someone else: another handle, another process holding the same
-    /// task id, or an operator's forced release.
+    /// The lease was released by someone else, and the release was announced: an operator's
+    /// forced release, or another process holding the same task id while someone waited for a
+    /// slot.
     ReleasedElsewhere,
     /// The same task id was admitted again with a newer fencing token; this admission is stale.
     Superseded,
