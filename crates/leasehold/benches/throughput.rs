@@ -20,7 +20,8 @@
 //!
 //! Run: `cargo bench -p leasehold --bench throughput`. Each measurement lasts
 //! `LEASEHOLD_BENCH_SECS` seconds (default 3) after a 0.5 s warm-up; the default run takes
-//! about 30 s.
+//! about 30 s. `LEASEHOLD_BENCH_REDIS_ARGS` adds command-line arguments to the private
+//! redis-server (server settings to compare).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -725,7 +726,10 @@ fn main() {
     let measure = Duration::from_secs_f64(secs);
     let started = Instant::now();
 
-    let server = RedisServer::start();
+    // Server settings to compare, e.g. "--zset-max-listpack-entries 0" (docs/BENCHMARKS.md).
+    let redis_args = std::env::var("LEASEHOLD_BENCH_REDIS_ARGS").unwrap_or_default();
+    let redis_args: Vec<&str> = redis_args.split_whitespace().collect();
+    let server = RedisServer::start_with(&redis_args);
     let redis_version = info(&server, "server")
         .get("redis_version")
         .cloned()
@@ -741,9 +745,9 @@ fn main() {
         .block_on(RedisBackend::connect(&url))
         .unwrap_or_else(|e| panic!("cannot connect to the private redis at {url}: {e}"));
     println!(
-        "leasehold throughput benchmark @ {rev}: private redis-server {redis_version} at {url}, \
-         {cpus} CPUs, tokio multi-thread runtime ({cpus} workers), {secs} s per measurement \
-         after {} ms warm-up",
+        "leasehold throughput benchmark @ {rev}: private redis-server {redis_version} at {url} \
+         (extra arguments: {redis_args:?}), {cpus} CPUs, tokio multi-thread runtime ({cpus} \
+         workers), {secs} s per measurement after {} ms warm-up",
         WARMUP.as_millis()
     );
 
