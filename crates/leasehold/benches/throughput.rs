@@ -550,9 +550,9 @@ struct Contended {
 }
 
 /// The holder's work: `NOMINAL_HOLD`, kept precisely. tokio's timer wheel ticks every 1 ms and
-/// rounds a sleep up to the next tick, so `tokio::time::sleep(1 ms)` holds 1 to 2 ms (2.15 ms on
-/// average here) and lines all holders up on the same ticks. A blocking-pool thread's
-/// `std::thread::sleep`, with the hop back to the task, holds 1.15 to 1.3 ms here.
+/// rounds a sleep up, so `tokio::time::sleep(1 ms)` held 2.1 to 2.35 ms on average here and lined
+/// all holders up on the same ticks. A blocking-pool thread's `std::thread::sleep`, with the hop
+/// back to the task, holds 1.15 to 1.32 ms here.
 async fn hold() {
     tokio::task::spawn_blocking(|| std::thread::sleep(NOMINAL_HOLD))
         .await
