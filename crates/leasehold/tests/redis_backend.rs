@@ -867,3 +867,45 @@ fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
     );
     app.join().unwrap();
 }
+
+/// Tries `try_acquire(id)` until it succeeds: the short-circuit may refuse for a while after
+/// failures. Bounded in time.
+async fn acquire_once_back(quota: &Quota, id: &str) -> leasehold::Lease {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        match quota.try_acquire(id).await {
+            Ok(lease) => return lease,
+            Err(e) if Instant::now() < until => {
+                assert!(e.is_transient(), "{e:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("no admission within 10 s after recovery: {e:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_read_only_or_full_server_is_unavailable_not_misconfigured() {
+    let server = RedisServer::start();
+    let quota = quota_on(&server, "demoted", 5, Duration::from_secs(5)).await;
+    let _first = quota.try_acquire("first").await.unwrap();
+
+    // A failover demoted this server to a replica (of a master it cannot reach, on loopback):
+    // writes inside the script fail with READONLY until it is promoted again.
+    let unreachable = free_port().to_string();
+    server.command(&["REPLICAOF", "127.0.0.1", &unreachable]);
+    let err = quota.try_acquire("during-failover").await.unwrap_err();
+    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    assert!(err.is_transient(), "{err:?}");
+    assert!(err.to_string().contains("READONLY"), "{err}");
+    server.command(&["REPLICAOF", "NO", "ONE"]);
+    acquire_once_back(&quota, "after-failover").await;
+
+    // Out of memory under `noeviction`: the server refuses writes until memory is freed.
+    server.command(&["CONFIG", "SET", "maxmemory", "1"]);
+    let err = quota.try_acquire("out-of-memory").await.unwrap_err();
+    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    assert!(err.to_string().contains("OOM"), "{err}");
+    server.command(&["CONFIG", "SET", "maxmemory", "0"]);
+    acquire_once_back(&quota, "after-oom").await;
+}

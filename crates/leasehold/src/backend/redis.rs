@@ -286,6 +286,21 @@ async fn dispatch_pushes(inner: Weak<Inner>, mut pushes: mpsc::UnboundedReceiver
     }
 }
 
+/// Error codes with which a healthy server refuses for a while: a replica after a failover
+/// (`READONLY`, `MASTERDOWN`), too few replicas for `min-replicas-to-write` (`NOREPLICAS`), memory
+/// full under `noeviction` (`OOM`), a dataset still loading (`LOADING`), another script running
+/// too long (`BUSY`), a cluster reconfiguring.
+const SERVER_BUSY_CODES: &[&str] = &[
+    "READONLY",
+    "MASTERDOWN",
+    "NOREPLICAS",
+    "OOM",
+    "LOADING",
+    "BUSY",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+];
+
 /// Maps a redis-rs error to the operator's categories.
 fn map_error(e: RedisError, quota: &str) -> Error {
     let text = e.to_string();
@@ -306,6 +321,11 @@ fn map_error(e: RedisError, quota: &str) -> Error {
         || e.kind() == ErrorKind::AuthenticationFailed
     {
         return Misconfiguration::Auth(text).into();
+    }
+    if SERVER_BUSY_CODES.contains(&code) {
+        // Checked before the script case: Redis reports these with the script's name when a
+        // command inside it was refused, and they pass (a promotion, freed memory, a load done).
+        return Error::BackendUnavailable(format!("the server refuses for now ({code}): {text}"));
     }
     if text.contains("user_script") {
         // A script failed on data it did not expect (a key rewritten from outside): retrying
