@@ -289,15 +289,17 @@ async fn stale_token_cannot_renew_or_release_the_successor(fx: Fixture) {
 }
 
 async fn waiter_is_woken_by_a_release_not_by_polling(fx: Fixture) {
-    // Polls every 10 s at best: only the release event can admit the waiter quickly.
+    // Polls every 10 s at best, and the holder's lease (renewed) expires 30 s out, which also
+    // bounds the head waiter's retries: only the release event can admit the waiter quickly.
+    let ttl = Duration::from_secs(30);
     let quota = fx
-        .builder(1, TTL)
+        .builder(1, ttl)
         .poll_interval(Duration::from_secs(20))
         .build()
         .unwrap();
     let holder = quota.try_acquire("holder").await.unwrap();
     let waiter_quota = fx
-        .builder(1, TTL)
+        .builder(1, ttl)
         .poll_interval(Duration::from_secs(20))
         .shared_backend(fx.second_client().await)
         .build()
@@ -328,8 +330,10 @@ async fn waiter_is_admitted_after_an_expiry_by_its_timer(fx: Fixture) {
         .acquire(&fx.keys(), "ghost", ghost_ttl, 1)
         .await
         .unwrap();
+    // The waiter's own ttl (which bounds its retries) and its polls are far longer than the
+    // ghost's: only the timer armed to the ghost's deadline admits it within the timeout.
     let quota = fx
-        .builder(1, TTL)
+        .builder(1, Duration::from_secs(30))
         .poll_interval(Duration::from_secs(20))
         .build()
         .unwrap();
@@ -340,6 +344,10 @@ async fn waiter_is_admitted_after_an_expiry_by_its_timer(fx: Fixture) {
     let after = crashed.elapsed();
     println!("admitted {after:?} after a holder crashed (its ttl {ghost_ttl:?})");
     assert!(after >= ghost_ttl - Duration::from_millis(20));
+    assert!(
+        after < ghost_ttl + Duration::from_secs(1),
+        "admitted at the ghost's deadline, not later: {after:?}"
+    );
     assert!(lease.is_held());
 }
 
