@@ -911,3 +911,85 @@ async fn a_read_only_or_full_server_is_unavailable_not_misconfigured() {
     server.command(&["CONFIG", "SET", "maxmemory", "0"]);
     acquire_once_back(&quota, "after-oom").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_leases_cost_one_renewal_call_per_heartbeat() {
+    let server = RedisServer::start();
+    let heartbeat = Duration::from_millis(100);
+    let quota = Quota::builder("many")
+        .limit(1000)
+        .ttl(Duration::from_secs(3))
+        .heartbeat(heartbeat)
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    let acquires = (0..1000).map(|i| {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.try_acquire(&format!("t{i}")).await.unwrap() })
+    });
+    let mut leases = Vec::new();
+    for acquire in acquires {
+        leases.push(acquire.await.unwrap());
+    }
+    let deadlines: Vec<_> = leases.iter().map(|l| l.deadline()).collect();
+
+    // Nothing but renewals runs in this window.
+    let window = Duration::from_secs(1);
+    let before = evalsha_calls(&server);
+    tokio::time::sleep(window).await;
+    let calls = evalsha_calls(&server) - before;
+    let beats = (window.as_millis() / heartbeat.as_millis()) as u64;
+    println!("{calls} script calls in {window:?} renewed 1000 leases (heartbeat {heartbeat:?})");
+    assert!(
+        calls >= beats / 2 && calls <= 2 * beats,
+        "{calls} renewal calls in {window:?}: expected about one per heartbeat ({beats})"
+    );
+    assert!(leases.iter().all(|l| l.is_held()));
+    assert!(
+        leases
+            .iter()
+            .zip(&deadlines)
+            .all(|(l, d)| l.deadline() > *d),
+        "every lease was extended"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_admission_after_acquire_timeout_is_given_back() {
+    let server = RedisServer::start();
+    let ttl = Duration::from_secs(30);
+    let quota = quota_on(&server, "late", 1, ttl).await;
+    quota
+        .try_acquire("warm-up")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+
+    // The call reaches a frozen server and waits in its socket; the caller gives up first.
+    server.pause();
+    let err = quota
+        .acquire_timeout("late", Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::TimedOut { .. }), "{err:?}");
+    // Resumed inside the call's own timeout (1 s): the late reply admits "late", and nobody is
+    // there to take the lease.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.resume();
+
+    let given_back = common::eventually(Duration::from_secs(5), || {
+        server
+            .command(&["ZCARD", "leasehold:{late}:leases"])
+            .as_int()
+            == Some(0)
+    })
+    .await;
+    assert!(given_back, "the late admission still holds the only slot");
+    let fence = server
+        .command(&["GET", "leasehold:{late}:fence"])
+        .as_string();
+    assert_eq!(fence.as_deref(), Some("2"), "the late call did admit");
+    quota.try_acquire("next").await.unwrap();
+}
