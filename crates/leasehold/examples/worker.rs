@@ -11,9 +11,12 @@
 //! worker hold URL QUOTA LIMIT TTL_MS TASK_ID HOLD_MS
 //!     acquire (waiting), print "acquired TOKEN", hold HOLD_MS while renewing, print "held" if
 //!     the lease was never lost (else "lost REASON"), release.
+//! worker clock URL QUOTA LIMIT TTL_MS
+//!     prints "clock MS": this process's wall clock, in ms since the Unix epoch (a test checks
+//!     that a clock it skewed really is skewed).
 //! ```
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use leasehold::{Error, Quota, RedisBackend};
 use leasehold_testkit::monotonic_ns;
@@ -73,6 +76,10 @@ async fn main() -> Result<(), Error> {
                 reason = lease.lost() => println!("lost {reason}"),
             }
             lease.release().await?;
+        }
+        "clock" => {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+            println!("clock {}", now.as_millis());
         }
         other => panic!("unknown mode {other:?}"),
     }

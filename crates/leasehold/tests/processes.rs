@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use leasehold_testkit::RedisServer;
 
@@ -224,7 +224,21 @@ fn client_clocks_an_hour_off_change_nothing() {
     assert!(holder
         .next_line(Duration::from_secs(10))
         .starts_with("acquired"));
-    for skewed in [&ahead, &behind] {
+    for (skewed, offset_s) in [(&ahead, 3600i64), (&behind, -3600)] {
+        // faketime must really move the worker's clock, or this test shows nothing.
+        let clock = Worker::spawn(skewed, &args(&[&"clock", &url, &"clock", &1, &1500]));
+        let line = clock.wait(Duration::from_secs(10));
+        let worker_ms: i64 = line[0].strip_prefix("clock ").unwrap().parse().unwrap();
+        let own_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        let skew_s = (worker_ms - own_ms) / 1000;
+        assert!(
+            (skew_s - offset_s).abs() < 60,
+            "faketime {} moved the worker's clock by {skew_s} s",
+            skewed[2]
+        );
         let probe = Worker::spawn(
             skewed,
             &args(&[&"try", &url, &"clock", &1, &1500, &"skewed"]),
