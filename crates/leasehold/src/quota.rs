@@ -13,7 +13,7 @@ use crate::backend::{AcquireReply, Backend, LeaseRecord};
 use crate::breaker::{Breaker, BreakerMode, Permit};
 use crate::config::BackendDownPolicy;
 use crate::config::{QuotaBuilder, QuotaConfig};
-use crate::error::{Error, Result};
+use crate::error::{Error, LostReason, Result};
 use crate::keys::{validate_task_id, QuotaKeys};
 use crate::lease::{Lease, LeaseInner};
 use crate::waiters::WaitQueue;
@@ -280,9 +280,10 @@ impl Quota {
     }
 
     /// The operator's forced release: removes the lease of `task_id` whatever its fencing token.
-    /// Its holder learns it on its next renewal (or at once, through the release event) with
-    /// [`LostReason::ReleasedElsewhere`](crate::LostReason::ReleasedElsewhere). Returns whether
-    /// a lease was removed.
+    /// Its holder learns it at once through the release event, with
+    /// [`LostReason::ReleasedElsewhere`](crate::LostReason::ReleasedElsewhere), or, if that
+    /// message is lost, at its next renewal, which finds the lease gone:
+    /// [`LostReason::Expired`](crate::LostReason::Expired). Returns whether a lease was removed.
     pub async fn force_release(&self, task_id: &str) -> Result<bool> {
         validate_task_id(task_id)?;
         self.shared.release_in_backend(task_id, None).await
@@ -347,7 +348,8 @@ impl Quota {
             if !asked {
                 // Promoted to head: arm the expiry timer from the last full reply. Attempting
                 // now would make this waiter busy and let a release skip it for a younger one.
-                retry_after = shared.until_expiry_or_poll();
+                // Keep a shorter wait already due (a slot given back: "try at once").
+                retry_after = retry_after.min(shared.until_expiry_or_poll());
                 continue;
             }
             // A release event may already have started this waiter's attempt.
@@ -380,6 +382,11 @@ impl Quota {
     /// and the next call tries again.
     async fn ensure_listening(&self) {
         if !self.shared.config.events || self.shared.listening.load(Ordering::Acquire) {
+            return;
+        }
+        if self.shared.breaker.mode() == BreakerMode::Open {
+            // The policy answers at once while the circuit is open; subscribing would wait on
+            // the unreachable backend first. A later acquire subscribes.
             return;
         }
         match self.shared.backend.subscribe(&self.shared.keys).await {
@@ -475,11 +482,12 @@ impl Shared {
                 let taken = matches!(tokio::time::timeout(TAKE_GRACE, taken_rx).await, Ok(Ok(())));
                 if !taken {
                     if let Ok(AcquireReply::Acquired(record)) = &reply {
-                        if let Err(e) = shared.release_in_backend(&id, Some(record.token)).await {
-                            tracing::warn!(quota = %shared.keys.name, task_id = %id, error = %e,
-                                "could not give back a slot its waiter did not take; \
-                                 it expires after its ttl");
-                        }
+                        // Given back the way an orphan is: another caller of the same task may
+                        // already share this admission (its acquire came back `held`), and then
+                        // dropping this handle must not release it.
+                        let unclaimed = shared.adopt(record, sent);
+                        shared.wait_for_other_attempts(&id).await;
+                        drop(unclaimed);
                     }
                     // A waiter that runs later tries again at once.
                     let _ = tx.send(Ok(Attempt::Full {
@@ -517,10 +525,7 @@ impl Shared {
                 // The caller gave up. A retry of the same task already in flight will come back
                 // `held` with this very lease: keep it until that retry has adopted it, then let
                 // it go; if nobody shares it, its drop releases it at once.
-                let until = Instant::now() + ORPHAN_GRACE;
-                while shared.attempts_in_flight(&id) > 1 && Instant::now() < until {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
+                shared.wait_for_other_attempts(&id).await;
                 drop(orphan);
             }
         });
@@ -558,6 +563,15 @@ impl Shared {
         attempts.get(task_id).copied().unwrap_or(0)
     }
 
+    /// Waits, at most [`ORPHAN_GRACE`], until no attempt of `task_id` other than the caller's is
+    /// under way: one that comes back `held` adopts the caller's lease before it is let go.
+    async fn wait_for_other_attempts(&self, task_id: &str) {
+        let until = Instant::now() + ORPHAN_GRACE;
+        while self.attempts_in_flight(task_id) > 1 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Time until the earliest lease expiry the last full reply announced, or the poll interval
     /// when none is known.
     fn until_expiry_or_poll(&self) -> Duration {
@@ -593,8 +607,9 @@ impl Shared {
     fn adopt(self: &Arc<Self>, record: &LeaseRecord, sent: Instant) -> Lease {
         let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         let live = registry.get(&record.task_id).and_then(Weak::upgrade);
+        let live = live.filter(|l| !l.is_lost());
         if let Some(live) = live.as_ref() {
-            if live.token == record.token && !live.is_lost() {
+            if live.token == record.token {
                 live.renewed(record.deadline_ms, sent);
                 let shared = live.clone();
                 drop(registry);
@@ -602,9 +617,20 @@ impl Shared {
             }
         }
         let inner = Arc::new(LeaseInner::new(self.clone(), record, sent));
-        registry.insert(record.task_id.clone(), Arc::downgrade(&inner));
+        let newer_live = live.as_ref().is_some_and(|l| l.token > record.token);
+        if !newer_live {
+            registry.insert(record.task_id.clone(), Arc::downgrade(&inner));
+        }
+        // Marking a lease lost, and the drop of a last handle, need the registry.
         drop(registry);
-        // `live` may be the last handle of a stale admission: its drop needs the registry.
+        if newer_live {
+            // A late reply of an older admission: the live, newer one stays this process's.
+            inner.mark_lost(LostReason::Superseded);
+        } else if let Some(older) = live.as_ref() {
+            // The backend admitted this task again (its older lease was released or expired
+            // there): the older handle is never renewed again and must hear it.
+            older.mark_lost(LostReason::Superseded);
+        }
         drop(live);
         // The renewal task needs no wake-up: its next beat (≤ heartbeat away) comes before this
         // lease's local deadline (ttl − margin away, and the heartbeat is shorter).

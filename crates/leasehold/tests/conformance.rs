@@ -37,6 +37,7 @@ conformance!(
     cancel_before_acquire_makes_acquire_fail,
     cancel_reaches_a_waiting_task,
     an_abandoned_lease_holds_its_slot_until_its_deadline,
+    an_older_handle_hears_when_its_task_is_admitted_again,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -640,4 +641,24 @@ async fn an_abandoned_lease_holds_its_slot_until_its_deadline(fx: Fixture) {
         "{after:?}"
     );
     assert!(next.is_held());
+}
+
+async fn an_older_handle_hears_when_its_task_is_admitted_again(fx: Fixture) {
+    // No events: nothing announces the forced release, and the old handle is never renewed
+    // again once the new admission takes its place in this process.
+    let quota = fx.builder(1, TTL).events(false).build().unwrap();
+    let old = quota.try_acquire("x").await.unwrap();
+    assert!(quota.force_release("x").await.unwrap());
+    let new = quota.try_acquire("x").await.unwrap();
+    assert!(new.fencing_token() > old.fencing_token());
+    let reason = tokio::time::timeout(Duration::from_secs(1), old.lost())
+        .await
+        .expect("the older handle hears it is superseded");
+    assert_eq!(reason, LostReason::Superseded);
+    assert!(!old.is_held());
+    assert!(new.is_held(), "the new admission is untouched");
+    // The new lease is the one renewed: it outlives several ttls.
+    tokio::time::sleep(TTL * 2).await;
+    assert!(new.is_held());
+    assert_eq!(quota.status().await.unwrap().holders.len(), 1);
 }

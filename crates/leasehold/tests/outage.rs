@@ -195,3 +195,32 @@ async fn renewals_slower_than_the_heartbeat_but_inside_the_ttl_keep_the_lease() 
     proxy.set_latency(Duration::ZERO);
     assert_eq!(quota.status().await.unwrap().holders.len(), 1);
 }
+
+#[tokio::test]
+async fn an_open_circuit_answers_at_once_even_before_the_first_subscription() {
+    let mut server = RedisServer::start();
+    // Never used while Redis was up: its first acquires would also subscribe to events.
+    let quota = quota(
+        &server,
+        "never-subscribed",
+        BackendDownPolicy::DegradeLocal { share: 100 },
+    )
+    .await;
+    server.kill();
+    open_the_circuit(&quota).await;
+    let mut worst = Duration::ZERO;
+    for i in 0..20 {
+        let asked = Instant::now();
+        let lease = quota.try_acquire(&format!("t{i}")).await.unwrap();
+        worst = worst.max(asked.elapsed());
+        assert!(lease.is_local());
+        if quota.breaker_mode() != BreakerMode::Open {
+            break; // the cool-down ended: the next call is a probe, with network I/O
+        }
+    }
+    println!("local admissions with the circuit open: worst {worst:?}");
+    assert!(
+        worst < Duration::from_millis(50),
+        "no network wait: {worst:?}"
+    );
+}

@@ -993,3 +993,91 @@ async fn a_late_admission_after_acquire_timeout_is_given_back() {
     assert_eq!(fence.as_deref(), Some("2"), "the late call did admit");
     quota.try_acquire("next").await.unwrap();
 }
+
+/// Runs `body` on a current-thread runtime of its own thread, which `body` may wedge with a
+/// blocking sleep: nothing else on that runtime runs meanwhile.
+fn on_own_runtime<F>(body: impl FnOnce() -> F + Send + 'static) -> std::thread::JoinHandle<()>
+where
+    F: std::future::Future<Output = ()>,
+{
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(body())
+    })
+}
+
+#[test]
+fn a_slot_a_wedged_waiter_gives_back_keeps_the_lease_another_caller_shares() {
+    let server = RedisServer::start();
+    let ttl = Duration::from_secs(2);
+    let main = tokio::runtime::Runtime::new().unwrap();
+    let holders = main.block_on(quota_on(&server, "shared-id", 1, ttl));
+    let holder = main.block_on(holders.try_acquire("holder")).unwrap();
+    let quota = main.block_on(quota_on(&server, "shared-id", 1, ttl));
+    let in_app = quota.clone();
+    let app = on_own_runtime(move || async move {
+        let waiter = tokio::spawn(async move { in_app.acquire("x").await });
+        tokio::time::sleep(Duration::from_millis(300)).await; // refused once, waiting
+        std::thread::sleep(Duration::from_secs(1)); // wedged: the waiter cannot take its slot
+        drop(waiter);
+    });
+    std::thread::sleep(Duration::from_millis(600));
+    main.block_on(holder.release()).unwrap();
+    // The release event wins "x" for the wedged waiter; another caller of the same task, on a
+    // runtime that runs, shares that admission (`held`).
+    std::thread::sleep(Duration::from_millis(20));
+    let shared = main.block_on(quota.try_acquire("x")).unwrap();
+    // Past the 100 ms grace after which the wedged waiter's slot is given back.
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(shared.lost_reason(), None, "a lease in use was given back");
+    let status = main.block_on(holders.status()).unwrap();
+    let held: Vec<_> = status
+        .holders
+        .iter()
+        .map(|h| (h.task_id.clone(), h.fencing_token))
+        .collect();
+    assert_eq!(held, vec![("x".to_string(), shared.fencing_token())]);
+    app.join().unwrap();
+}
+
+#[test]
+fn a_waiter_whose_slot_was_given_back_tries_again_as_soon_as_it_runs() {
+    let server = RedisServer::start();
+    let ttl = Duration::from_secs(3);
+    let main = tokio::runtime::Runtime::new().unwrap();
+    let holders = main.block_on(quota_on(&server, "retry-at-once", 1, ttl));
+    let holder = main.block_on(holders.try_acquire("holder")).unwrap();
+    let url = server.url();
+    let (admitted_tx, admitted_rx) = std::sync::mpsc::channel();
+    let app = on_own_runtime(move || async move {
+        let waiters = Quota::builder("retry-at-once")
+            .limit(1)
+            .ttl(ttl)
+            .poll_interval(Duration::from_secs(10))
+            .backend(RedisBackend::connect(&url).await.unwrap())
+            .build()
+            .unwrap();
+        let waiter = tokio::spawn(async move { waiters.acquire("w").await });
+        tokio::time::sleep(Duration::from_millis(300)).await; // refused once, waiting
+        std::thread::sleep(Duration::from_millis(700)); // wedged across the release
+        let lease = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        admitted_tx.send(Instant::now()).unwrap();
+        drop(lease);
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let released = Instant::now();
+    main.block_on(holder.release()).unwrap();
+    let admitted = admitted_rx.recv_timeout(Duration::from_secs(15)).unwrap();
+    let after = admitted - released;
+    println!("admitted {after:?} after the release (runtime wedged for about 500 ms of it)");
+    // Not at the old holder's expiry hint (a ttl away) nor at a poll (5 s or more).
+    assert!(after < Duration::from_millis(1500), "{after:?}");
+    app.join().unwrap();
+}
