@@ -248,6 +248,9 @@ impl Backend for MemoryBackend {
             }
             let token = s.token;
             q.leases.remove(task_id);
+            // Every release is announced: an in-process event costs nothing, where the Redis
+            // backend announces only while someone waits (PROTOCOL.md §5.4). Events are hints
+            // either way; renewals report the same facts.
             let _ = q.events.send(QuotaEvent::Released {
                 task_id: task_id.to_owned(),
                 token,
