@@ -41,6 +41,7 @@ impl Forwarded {
 }
 
 pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Failure> {
+    let generated = args.task_id.is_none();
     let task_id = args
         .task_id
         .clone()
@@ -50,8 +51,20 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
     }
     let mut signals = Forwarded::install()?;
     let lease = tokio::select! {
-        lease = acquire(&quota, &task_id, args.wait) => lease?,
-        sig = signals.next() => return Ok(128 + sig), // interrupted while waiting: nothing held
+        lease = acquire(&quota, &task_id, args.wait) => match lease {
+            Ok(lease) => lease,
+            Err(failure) => {
+                if failure.code == exit::NO_SLOT && args.wait.is_some_and(|d| !d.is_zero()) {
+                    // `--wait` ran out, maybe with an attempt still in flight.
+                    give_back_unclaimed(&quota, &task_id, generated).await;
+                }
+                return Err(failure);
+            }
+        },
+        sig = signals.next() => {
+            give_back_unclaimed(&quota, &task_id, generated).await;
+            return Ok(128 + sig);
+        }
     };
     if verbose {
         eprintln!(
@@ -59,7 +72,17 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             lease.fencing_token()
         );
     }
-    let mut child = spawn(&args, &quota, &lease)?;
+    let mut child = match spawn(&args, &quota, &lease) {
+        Ok(child) => child,
+        Err(failure) => {
+            // The process exits right after this: a release left to the lease's drop would
+            // never be sent.
+            if let Err(e) = lease.release().await {
+                eprintln!("leasehold: release failed ({e}); the slot frees when the lease expires");
+            }
+            return Err(failure);
+        }
+    };
     let pgid = child.id().map(|pid| pid as i32);
     let outcome = supervise(&mut child, pgid, &lease, &mut signals, args.grace).await;
     // Release whatever happened: the slot is ours until the backend says otherwise.
@@ -76,6 +99,24 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             })
         }
     }
+}
+
+/// The wait ended without a lease, but an admission attempt may still be on its way to Redis,
+/// and the process exits before the library could give back what it admits. A task id this run
+/// generated is unique to it, so any lease under that id is this run's own, never taken up:
+/// release it by id (bounded in time). A task id given by the user may be shared with another
+/// process, so it is left alone: such a slot frees when the lease expires, one ttl later.
+async fn give_back_unclaimed(quota: &Quota, task_id: &str, generated: bool) {
+    if !generated {
+        return;
+    }
+    // A short pause lets an attempt still queued in this process go out before the release;
+    // the whole give-back is bounded (a call times out after 1 s).
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        quota.force_release(task_id).await
+    })
+    .await;
 }
 
 async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result<Lease, Failure> {

@@ -422,3 +422,59 @@ fn bad_input_gets_one_line_and_a_non_zero_exit_never_a_panic() {
         stderr(&no_redis)
     );
 }
+
+#[test]
+fn a_command_that_cannot_start_leaves_no_slot_held() {
+    let server = RedisServer::start();
+    let url = server.url();
+    for (command, code) in [("/no/such/command", 127), ("/etc/hostname", 126)] {
+        let out = run_cli(
+            &url,
+            "unstartable",
+            ["run", "--limit", "1", "--ttl", "30s", "--", command],
+        );
+        assert_eq!(out.status.code(), Some(code), "{command}: {}", stderr(&out));
+        assert_eq!(
+            holders(&server, "unstartable"),
+            0,
+            "{command}: the slot stayed held after the run exited"
+        );
+    }
+}
+
+#[test]
+fn a_signal_while_waiting_leaves_no_late_admission_behind() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let quota = "interrupted";
+    let mut holder = leasehold(&url, quota);
+    holder.args(["run", "--limit", "1", "--ttl", "30s", "--", "sleep", "30"]);
+    let mut holder = holder.spawn().unwrap();
+    let mut waiters = Vec::new();
+    // Several waiters, interrupted at different moments after the slot frees: some may have an
+    // admission on its way when the signal lands.
+    for _ in 0..4 {
+        let mut waiter = leasehold(&url, quota);
+        waiter
+            .args(["run", "--limit", "1", "--ttl", "30s", "--", "sleep", "30"])
+            .stderr(Stdio::null());
+        waiters.push(waiter.spawn().unwrap());
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    unsafe { libc::kill(holder.id() as i32, libc::SIGTERM) };
+    wait_exit(&mut holder, Duration::from_secs(10));
+    for waiter in &mut waiters {
+        std::thread::sleep(Duration::from_millis(2));
+        unsafe { libc::kill(waiter.id() as i32, libc::SIGINT) };
+    }
+    for mut waiter in waiters {
+        let code = wait_exit(&mut waiter, Duration::from_secs(10));
+        // 130 either way: interrupted while waiting, or its command got the forwarded SIGINT.
+        assert_eq!(code, 130, "interrupted while waiting, or its command was");
+    }
+    assert_eq!(
+        holders(&server, quota),
+        0,
+        "an interrupted run left a slot held"
+    );
+}
