@@ -21,13 +21,25 @@ fn main() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
         Err(e) => {
-            // One line, not clap's page of usage: scripts log stderr.
+            // One line, not clap's page of usage: scripts log stderr. The error's own lines
+            // (e.g. which arguments are missing) come before the usage and are kept.
             let text = e.to_string();
-            let first = text.lines().next().unwrap_or("invalid arguments");
-            let first = first.strip_prefix("error: ").unwrap_or(first);
+            let error: Vec<&str> = text
+                .lines()
+                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            let error = error.join(" ");
+            let error = error.strip_prefix("error: ").unwrap_or(&error);
+            let error = if error.is_empty() {
+                "invalid arguments"
+            } else {
+                error
+            };
             fail(Failure::new(
                 exit::USAGE,
-                format!("{first} (see leasehold --help)"),
+                format!("{error} (see leasehold --help)"),
             ))
         }
     };
