@@ -606,27 +606,27 @@ impl Shared {
     /// process when it is the same admission.
     fn adopt(self: &Arc<Self>, record: &LeaseRecord, sent: Instant) -> Lease {
         let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        // `live` may be the last handle of a stale admission: it is dropped only after the
+        // registry is unlocked, because that drop needs the registry.
         let live = registry.get(&record.task_id).and_then(Weak::upgrade);
-        let live = live.filter(|l| !l.is_lost());
-        if let Some(live) = live.as_ref() {
-            if live.token == record.token {
-                live.renewed(record.deadline_ms, sent);
-                let shared = live.clone();
-                drop(registry);
-                return Lease::from_inner(shared);
-            }
+        let held = live.as_ref().filter(|l| !l.is_lost());
+        if let Some(same) = held.filter(|l| l.token == record.token) {
+            same.renewed(record.deadline_ms, sent);
+            let shared = same.clone();
+            drop(registry);
+            return Lease::from_inner(shared);
         }
         let inner = Arc::new(LeaseInner::new(self.clone(), record, sent));
-        let newer_live = live.as_ref().is_some_and(|l| l.token > record.token);
-        if !newer_live {
+        let newer_held = held.is_some_and(|l| l.token > record.token);
+        if !newer_held {
             registry.insert(record.task_id.clone(), Arc::downgrade(&inner));
         }
-        // Marking a lease lost, and the drop of a last handle, need the registry.
+        // Marking a lease lost needs the registry too.
         drop(registry);
-        if newer_live {
+        if newer_held {
             // A late reply of an older admission: the live, newer one stays this process's.
             inner.mark_lost(LostReason::Superseded);
-        } else if let Some(older) = live.as_ref() {
+        } else if let Some(older) = held {
             // The backend admitted this task again (its older lease was released or expired
             // there): the older handle is never renewed again and must hear it.
             older.mark_lost(LostReason::Superseded);
