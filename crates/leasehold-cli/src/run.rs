@@ -77,18 +77,14 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
         Err(failure) => {
             // The process exits right after this: a release left to the lease's drop would
             // never be sent.
-            if let Err(e) = lease.release().await {
-                eprintln!("leasehold: release failed ({e}); the slot frees when the lease expires");
-            }
+            release(&lease).await;
             return Err(failure);
         }
     };
     let pgid = child.id().map(|pid| pid as i32);
     let outcome = supervise(&mut child, pgid, &lease, &mut signals, args.grace).await;
     // Release whatever happened: the slot is ours until the backend says otherwise.
-    if let Err(e) = lease.release().await {
-        eprintln!("leasehold: release failed ({e}); the slot frees when the lease expires");
-    }
+    release(&lease).await;
     match outcome? {
         Outcome::Exited(status) => Ok(exit_code(status)),
         Outcome::Lost(reason) => {
@@ -98,6 +94,13 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
                 _ => exit::LEASE_LOST,
             })
         }
+    }
+}
+
+/// Releases `lease`, or says on stderr that it will expire instead.
+async fn release(lease: &Lease) {
+    if let Err(e) = lease.release().await {
+        eprintln!("leasehold: release failed ({e}); the slot frees when the lease expires");
     }
 }
 
