@@ -828,31 +828,66 @@ fn batched_refusals_give_true_expiry_hints_and_never_shorten_the_waiting_marker(
     assert!(long > 100_000 && after > 100_000, "{long} then {after}");
 }
 
-#[test]
-fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
-    let server = RedisServer::start();
-    let ttl = Duration::from_secs(2);
-    let main = tokio::runtime::Runtime::new().unwrap();
-    let holders = main.block_on(quota_on(&server, "wedged", 1, ttl));
-    let holder = main.block_on(holders.try_acquire("holder")).unwrap();
-    let url = server.url();
-    let app = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
+/// Runs `body` on a current-thread runtime of its own thread, which `body` may wedge with a
+/// blocking sleep: nothing else on that runtime runs meanwhile.
+fn on_own_runtime<F>(body: impl FnOnce() -> F + Send + 'static) -> std::thread::JoinHandle<()>
+where
+    F: std::future::Future<Output = ()>,
+{
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
+            .unwrap()
+            .block_on(body())
+    })
+}
+
+/// A private server whose quota `name` (limit 1) is full: its one slot is held, through a
+/// runtime of the test's own.
+struct Full {
+    server: RedisServer,
+    main: tokio::runtime::Runtime,
+    holders: Quota,
+    holder: leasehold::Lease,
+}
+
+impl Full {
+    fn held(name: &str, ttl: Duration) -> Full {
+        let server = RedisServer::start();
+        let main = tokio::runtime::Runtime::new().unwrap();
+        let holders = main.block_on(quota_on(&server, name, 1, ttl));
+        let holder = main.block_on(holders.try_acquire("holder")).unwrap();
+        Full {
+            server,
+            main,
+            holders,
+            holder,
+        }
+    }
+}
+
+#[test]
+fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
+    let ttl = Duration::from_secs(2);
+    let Full {
+        server,
+        main,
+        holders,
+        holder,
+    } = Full::held("wedged", ttl);
+    let url = server.url();
+    let app = on_own_runtime(move || async move {
+        let waiters = Quota::builder("wedged")
+            .limit(1)
+            .ttl(ttl)
+            .backend(RedisBackend::connect(&url).await.unwrap())
+            .build()
             .unwrap();
-        rt.block_on(async move {
-            let waiters = Quota::builder("wedged")
-                .limit(1)
-                .ttl(ttl)
-                .backend(RedisBackend::connect(&url).await.unwrap())
-                .build()
-                .unwrap();
-            let waiter = tokio::spawn(async move { waiters.acquire("wedged-waiter").await });
-            tokio::time::sleep(Duration::from_millis(300)).await; // refused once, waiting
-            std::thread::sleep(Duration::from_secs(3)); // this runtime is wedged: nothing runs
-            drop(waiter);
-        });
+        let waiter = tokio::spawn(async move { waiters.acquire("wedged-waiter").await });
+        tokio::time::sleep(Duration::from_millis(300)).await; // refused once, waiting
+        std::thread::sleep(Duration::from_secs(3)); // this runtime is wedged: nothing runs
+        drop(waiter);
     });
     std::thread::sleep(Duration::from_millis(600));
     main.block_on(holder.release()).unwrap();
@@ -994,28 +1029,15 @@ async fn a_late_admission_after_acquire_timeout_is_given_back() {
     quota.try_acquire("next").await.unwrap();
 }
 
-/// Runs `body` on a current-thread runtime of its own thread, which `body` may wedge with a
-/// blocking sleep: nothing else on that runtime runs meanwhile.
-fn on_own_runtime<F>(body: impl FnOnce() -> F + Send + 'static) -> std::thread::JoinHandle<()>
-where
-    F: std::future::Future<Output = ()>,
-{
-    std::thread::spawn(move || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(body())
-    })
-}
-
 #[test]
 fn a_slot_a_wedged_waiter_gives_back_keeps_the_lease_another_caller_shares() {
-    let server = RedisServer::start();
     let ttl = Duration::from_secs(2);
-    let main = tokio::runtime::Runtime::new().unwrap();
-    let holders = main.block_on(quota_on(&server, "shared-id", 1, ttl));
-    let holder = main.block_on(holders.try_acquire("holder")).unwrap();
+    let Full {
+        server,
+        main,
+        holders,
+        holder,
+    } = Full::held("shared-id", ttl);
     let quota = main.block_on(quota_on(&server, "shared-id", 1, ttl));
     let in_app = quota.clone();
     let app = on_own_runtime(move || async move {
@@ -1045,11 +1067,13 @@ fn a_slot_a_wedged_waiter_gives_back_keeps_the_lease_another_caller_shares() {
 
 #[test]
 fn a_waiter_whose_slot_was_given_back_tries_again_as_soon_as_it_runs() {
-    let server = RedisServer::start();
     let ttl = Duration::from_secs(3);
-    let main = tokio::runtime::Runtime::new().unwrap();
-    let holders = main.block_on(quota_on(&server, "retry-at-once", 1, ttl));
-    let holder = main.block_on(holders.try_acquire("holder")).unwrap();
+    let Full {
+        server,
+        main,
+        holders: _holders,
+        holder,
+    } = Full::held("retry-at-once", ttl);
     let url = server.url();
     let (admitted_tx, admitted_rx) = std::sync::mpsc::channel();
     let app = on_own_runtime(move || async move {
