@@ -447,17 +447,16 @@ fn a_signal_while_waiting_leaves_no_late_admission_behind() {
     let server = RedisServer::start();
     let url = server.url();
     let quota = "interrupted";
+    let run_sleep = ["run", "--limit", "1", "--ttl", "30s", "--", "sleep", "30"];
     let mut holder = leasehold(&url, quota);
-    holder.args(["run", "--limit", "1", "--ttl", "30s", "--", "sleep", "30"]);
+    holder.args(run_sleep);
     let mut holder = holder.spawn().unwrap();
     let mut waiters = Vec::new();
     // Several waiters, interrupted at different moments after the slot frees: some may have an
     // admission on its way when the signal lands.
     for _ in 0..4 {
         let mut waiter = leasehold(&url, quota);
-        waiter
-            .args(["run", "--limit", "1", "--ttl", "30s", "--", "sleep", "30"])
-            .stderr(Stdio::null());
+        waiter.args(run_sleep).stderr(Stdio::null());
         waiters.push(waiter.spawn().unwrap());
     }
     std::thread::sleep(Duration::from_millis(500));
