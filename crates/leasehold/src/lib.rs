@@ -44,6 +44,7 @@ mod keys;
 mod lease;
 mod quota;
 mod runtime;
+mod task_turns;
 mod waiters;
 
 pub use backend::memory::MemoryBackend;

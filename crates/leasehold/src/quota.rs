@@ -16,6 +16,7 @@ use crate::config::{QuotaBuilder, QuotaConfig};
 use crate::error::{Error, LostReason, Result};
 use crate::keys::{validate_task_id, QuotaKeys};
 use crate::lease::{Lease, LeaseInner};
+use crate::task_turns::TaskTurns;
 use crate::waiters::WaitQueue;
 use crate::{heartbeat, runtime};
 
@@ -62,6 +63,8 @@ pub(crate) struct Shared {
     listening: AtomicBool,
     /// Admission attempts under way in this process, by task id.
     attempts: Mutex<HashMap<String, usize>>,
+    /// Admissions and releases of one task id reach the backend one at a time.
+    turns: TaskTurns,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
     pub(crate) shutdown: CancellationToken,
     pub(crate) breaker: Breaker,
@@ -174,6 +177,7 @@ impl Quota {
             waiters: WaitQueue::default(),
             listening: AtomicBool::new(false),
             attempts: Mutex::new(HashMap::new()),
+            turns: TaskTurns::default(),
             shutdown: CancellationToken::new(),
             breaker: Breaker::new(config.breaker),
             local_held: AtomicU32::new(0),
@@ -471,21 +475,32 @@ impl Shared {
         let id = task_id.to_owned();
         runtime::spawn(async move {
             let _counted = AttemptInFlight::new(&shared, &id);
-            let sent = Instant::now();
-            let reply = shared
-                .backend
-                .acquire(&shared.keys, &id, shared.config.ttl, shared.config.limit)
-                .await;
+            let (reply, admitted) = {
+                // Adopted before the turn ends, so that a release of this task that waits for
+                // the turn sees the new handle and leaves the lease to it.
+                let _turn = shared.turns.take(&id).await;
+                let sent = Instant::now();
+                let reply = shared
+                    .backend
+                    .acquire(&shared.keys, &id, shared.config.ttl, shared.config.limit)
+                    .await;
+                let admitted = match &reply {
+                    Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
+                        Some(shared.adopt(record, sent))
+                    }
+                    _ => None,
+                };
+                (reply, admitted)
+            };
             shared.record_backend_result(&reply);
             if let Some(taken_rx) = taken_rx {
                 // Usually taken long before the reply; otherwise the waiter is not running.
                 let taken = matches!(tokio::time::timeout(TAKE_GRACE, taken_rx).await, Ok(Ok(())));
                 if !taken {
-                    if let Ok(AcquireReply::Acquired(record)) = &reply {
+                    if let Some(unclaimed) = admitted {
                         // Given back the way an orphan is: another caller of the same task may
                         // already share this admission (its acquire came back `held`), and then
                         // dropping this handle must not release it.
-                        let unclaimed = shared.adopt(record, sent);
                         shared.wait_for_other_attempts(&id).await;
                         drop(unclaimed);
                     }
@@ -497,9 +512,9 @@ impl Shared {
                 }
             }
             let outcome = match reply {
-                Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
-                    Ok(Attempt::Admitted(shared.adopt(&record, sent)))
-                }
+                Ok(AcquireReply::Acquired(_)) | Ok(AcquireReply::Held(_)) => Ok(Attempt::Admitted(
+                    admitted.expect("an admission is adopted as it arrives"),
+                )),
                 Ok(AcquireReply::Full {
                     now_ms,
                     earliest_deadline_ms,
@@ -701,6 +716,15 @@ impl Shared {
         task_id: &str,
         token: Option<u64>,
     ) -> Result<bool> {
-        self.backend.release(&self.keys, task_id, token).await
+        let Some(token) = token else {
+            return self.backend.release(&self.keys, task_id, None).await;
+        };
+        let _turn = self.turns.take(task_id).await;
+        // An acquire of this task that came back `held` while the release waited for its turn
+        // handed this very admission to a new handle: the slot is that handle's now.
+        if self.lease(task_id).is_some_and(|live| live.token == token) {
+            return Ok(false);
+        }
+        self.backend.release(&self.keys, task_id, Some(token)).await
     }
 }

@@ -38,6 +38,7 @@ conformance!(
     cancel_reaches_a_waiting_task,
     an_abandoned_lease_holds_its_slot_until_its_deadline,
     an_older_handle_hears_when_its_task_is_admitted_again,
+    a_task_acquired_again_right_after_its_drop_holds_a_live_lease,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -661,4 +662,31 @@ async fn an_older_handle_hears_when_its_task_is_admitted_again(fx: Fixture) {
     tokio::time::sleep(TTL * 2).await;
     assert!(new.is_held());
     assert_eq!(quota.status().await.unwrap().holders.len(), 1);
+}
+
+async fn a_task_acquired_again_right_after_its_drop_holds_a_live_lease(fx: Fixture) {
+    // The drop's background release and the new attempt race: the new attempt must never come
+    // back `held` on the admission being released, or it would run on a slot Redis frees.
+    let quota = fx.quota(1, TTL);
+    let mut lease = quota.try_acquire("again").await.unwrap();
+    for round in 0..40 {
+        let before = lease.fencing_token();
+        drop(lease);
+        lease = quota
+            .acquire_timeout("again", Duration::from_secs(2))
+            .await
+            .unwrap();
+        // Whatever went out first has been answered by now.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let holders = quota.status().await.unwrap().holders;
+        assert!(
+            lease.is_held()
+                && holders.len() == 1
+                && holders[0].fencing_token == lease.fencing_token(),
+            "round {round}: the handle (token {}, was {before}) says held={}, the backend holds \
+             {holders:?}",
+            lease.fencing_token(),
+            lease.is_held(),
+        );
+    }
 }

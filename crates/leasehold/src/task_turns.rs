@@ -1,0 +1,91 @@
+//! One backend call at a time per task id, for the calls that admit or release it.
+//!
+//! Admissions and releases travel in separate batches, so without this an acquire of a task
+//! could overtake the release of that task's previous lease: the backend would answer `held`
+//! with the lease it is about to remove, and the caller would run on a slot given away a moment
+//! later. Taking turns per task id keeps the backend's order the same as this process's.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{Mutex as TurnLock, OwnedMutexGuard};
+
+/// The turn locks of the task ids that have a call waiting or under way; the others have none.
+#[derive(Default)]
+pub(crate) struct TaskTurns {
+    locks: Mutex<HashMap<String, Arc<TurnLock<()>>>>,
+}
+
+/// The turn of one task id, held until dropped.
+pub(crate) struct Turn<'a> {
+    turns: &'a TaskTurns,
+    task_id: String,
+    guard: Option<OwnedMutexGuard<()>>,
+}
+
+impl TaskTurns {
+    /// Waits until no other admission or release of `task_id` in this process is under way.
+    pub(crate) async fn take(&self, task_id: &str) -> Turn<'_> {
+        let lock = {
+            let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+            locks.entry(task_id.to_owned()).or_default().clone()
+        };
+        Turn {
+            turns: self,
+            task_id: task_id.to_owned(),
+            guard: Some(lock.lock_owned().await),
+        }
+    }
+
+    #[cfg(test)]
+    fn tracked(&self) -> usize {
+        self.locks.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let mut locks = self.turns.locks.lock().unwrap_or_else(|e| e.into_inner());
+        // Only the map's own reference left: nobody waits for this task id any more. A waiter
+        // clones its reference under this same map lock, so it cannot appear in between.
+        if locks
+            .get(&self.task_id)
+            .is_some_and(|lock| Arc::strong_count(lock) == 1)
+        {
+            locks.remove(&self.task_id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn calls_of_one_task_take_turns_and_other_tasks_do_not_wait() {
+        let turns = Arc::new(TaskTurns::default());
+        let first = turns.take("a").await;
+        let waiting = {
+            let turns = turns.clone();
+            tokio::spawn(async move {
+                let _turn = turns.take("a").await;
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !waiting.is_finished(),
+            "a second call of `a` waits its turn"
+        );
+        let other = tokio::time::timeout(Duration::from_secs(1), turns.take("b")).await;
+        assert!(other.is_ok(), "another task id does not wait");
+        drop(other);
+        drop(first);
+        tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .expect("the second call runs once the first is done")
+            .unwrap();
+        assert_eq!(turns.tracked(), 0, "no lock is kept for idle task ids");
+    }
+}
