@@ -13,7 +13,15 @@ use tokio::sync::{Mutex as TurnLock, OwnedMutexGuard};
 /// The turn locks of the task ids that have a call waiting or under way; the others have none.
 #[derive(Default)]
 pub(crate) struct TaskTurns {
-    locks: Mutex<HashMap<String, Arc<TurnLock<()>>>>,
+    locks: Mutex<HashMap<String, Entry>>,
+}
+
+#[derive(Default)]
+struct Entry {
+    lock: Arc<TurnLock<()>>,
+    /// Calls holding or waiting for the turn. The entry goes when the last one does, even one
+    /// whose wait was abandoned (its future dropped).
+    users: usize,
 }
 
 /// The turn of one task id, held until dropped.
@@ -28,13 +36,18 @@ impl TaskTurns {
     pub(crate) async fn take(&self, task_id: &str) -> Turn<'_> {
         let lock = {
             let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
-            locks.entry(task_id.to_owned()).or_default().clone()
+            let entry = locks.entry(task_id.to_owned()).or_default();
+            entry.users += 1;
+            entry.lock.clone()
         };
-        Turn {
+        // Counted from here on: dropping this future while it waits still ends the count.
+        let mut turn = Turn {
             turns: self,
             task_id: task_id.to_owned(),
-            guard: Some(lock.lock_owned().await),
-        }
+            guard: None,
+        };
+        turn.guard = Some(lock.lock_owned().await);
+        turn
     }
 
     #[cfg(test)]
@@ -47,13 +60,11 @@ impl Drop for Turn<'_> {
     fn drop(&mut self) {
         drop(self.guard.take());
         let mut locks = self.turns.locks.lock().unwrap_or_else(|e| e.into_inner());
-        // Only the map's own reference left: nobody waits for this task id any more. A waiter
-        // clones its reference under this same map lock, so it cannot appear in between.
-        if locks
-            .get(&self.task_id)
-            .is_some_and(|lock| Arc::strong_count(lock) == 1)
-        {
-            locks.remove(&self.task_id);
+        if let Some(entry) = locks.get_mut(&self.task_id) {
+            entry.users -= 1;
+            if entry.users == 0 {
+                locks.remove(&self.task_id);
+            }
         }
     }
 }
@@ -87,5 +98,24 @@ mod tests {
             .expect("the second call runs once the first is done")
             .unwrap();
         assert_eq!(turns.tracked(), 0, "no lock is kept for idle task ids");
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_wait_leaves_nothing_behind() {
+        let turns = TaskTurns::default();
+        let first = turns.take("a").await;
+        let mut second = Box::pin(turns.take("a"));
+        let waited = tokio::time::timeout(Duration::from_millis(10), &mut second).await;
+        assert!(waited.is_err(), "the second call waits its turn");
+        // The turn passes while the second call is abandoned before it runs again.
+        drop(first);
+        drop(second);
+        assert_eq!(
+            turns.tracked(),
+            0,
+            "the abandoned wait is not counted any more"
+        );
+        let again = tokio::time::timeout(Duration::from_secs(1), turns.take("a")).await;
+        assert!(again.is_ok(), "the task id takes turns as before");
     }
 }
