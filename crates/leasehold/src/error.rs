@@ -46,13 +46,16 @@ pub enum Misconfiguration {
     /// The limit is 0 or above [`MAX_LIMIT`](crate::MAX_LIMIT).
     #[error("invalid limit {0}: must be between 1 and {max}", max = crate::MAX_LIMIT)]
     InvalidLimit(u64),
-    /// The task id is empty or longer than [`MAX_TASK_ID_BYTES`](crate::MAX_TASK_ID_BYTES).
+    /// The task id is empty, longer than [`MAX_TASK_ID_BYTES`](crate::MAX_TASK_ID_BYTES), or
+    /// contains control characters.
     #[error("invalid task id: {0}")]
     InvalidTaskId(String),
     /// The quota name would break the key scheme.
     #[error("invalid quota name: {0}")]
     InvalidQuotaName(String),
-    /// The ttl, heartbeat or timeout settings contradict each other.
+    /// A timing or policy setting is out of range or contradicts another: ttl, heartbeat, safety
+    /// margin, poll interval, cancel-marker ttl, breaker settings, or a
+    /// `DegradeLocal` share of 0.
     #[error("invalid timing: {0}")]
     InvalidTiming(String),
     /// The backend URL cannot be used.
@@ -75,7 +78,8 @@ pub enum Misconfiguration {
     /// The TLS handshake failed on the server's certificate (unknown issuer, wrong name).
     #[error("TLS certificate rejected: {0}")]
     Tls(String),
-    /// The backend answered in a way this version of the protocol does not understand.
+    /// The backend answered in a way this version of the protocol does not understand, a script
+    /// failed, or a Redis Cluster redirected or refused the call (MOVED, ASK, CROSSSLOT).
     #[error("unexpected reply from backend: {0}")]
     Protocol(String),
 }

@@ -302,9 +302,10 @@ impl Lease {
         self.inner.mark_lost(LostReason::Released);
     }
 
-    /// Releases the slot now. Idempotent: a second call, or a call after the lease was lost, does
-    /// nothing and succeeds. The backend only removes the lease while it still carries this
-    /// fencing token, so a late release can never free someone else's slot.
+    /// Releases the slot now. Idempotent: a second call does nothing and succeeds. After a loss
+    /// it still sends the release when the backend may hold the lease (its local deadline passed,
+    /// or it was cancelled), and does nothing otherwise. The backend only removes the lease while
+    /// it still carries this fencing token, so a late release can never free someone else's slot.
     pub async fn release(&self) -> Result<()> {
         if !self.inner.claim_release() {
             return Ok(());

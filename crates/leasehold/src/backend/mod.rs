@@ -132,7 +132,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<Vec<RenewOutcome>>;
 
     /// Removes the lease of `task_id` if its token is `token` (any token when `None`: the
-    /// operator's forced release). Returns whether a lease was removed; announces it if so.
+    /// operator's forced release). Returns whether a lease was removed. A removal may be
+    /// announced as an event: the Redis backend does so only while someone may be waiting, or
+    /// when the release was forced.
     async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool>;
 
     /// Cancels `task_id`: writes its cancel marker (kept for `marker_ttl`), then announces it.
