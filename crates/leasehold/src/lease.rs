@@ -310,14 +310,20 @@ impl Lease {
         if !self.inner.claim_release() {
             return Ok(());
         }
-        let result = self
-            .inner
-            .quota
-            .release_in_backend(&self.inner.task_id, Some(self.inner.token))
-            .await;
-        if result.is_err() {
-            self.inner.release_failed();
-        }
-        result.map(|_| ())
+        let inner = self.inner.clone();
+        // Sent from leasehold's runtime, so that a caller who stops waiting (a timeout, a
+        // `select!`) cannot cancel it half-way: the claim above already keeps the drop from
+        // sending it.
+        runtime::finish(async move {
+            let result = inner
+                .quota
+                .release_in_backend(&inner.task_id, Some(inner.token))
+                .await;
+            if result.is_err() {
+                inner.release_failed();
+            }
+            result.map(|_| ())
+        })
+        .await
     }
 }

@@ -34,6 +34,7 @@
 
 #![warn(missing_docs)]
 
+mod admissions;
 pub mod backend;
 mod breaker;
 mod config;

@@ -1,14 +1,14 @@
 //! [`Quota`]: a handle to one named, fleet-wide concurrency quota.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rand::Rng;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::admissions::Admissions;
 use crate::backend::{AcquireReply, Backend, LeaseRecord};
 use crate::breaker::{Breaker, BreakerMode, Permit};
 use crate::config::BackendDownPolicy;
@@ -16,15 +16,17 @@ use crate::config::{QuotaBuilder, QuotaConfig};
 use crate::error::{Error, LostReason, Result};
 use crate::keys::{validate_task_id, QuotaKeys};
 use crate::lease::{Lease, LeaseInner};
-use crate::task_turns::TaskTurns;
 use crate::waiters::WaitQueue;
-use crate::{heartbeat, runtime};
+use crate::{admissions, heartbeat, runtime};
 
 /// A handle to one named quota: at most `limit` leases held at once across every process that
 /// uses the same quota name on the same backend.
 ///
 /// Cheap to clone; clones share the renewal task, the waiter queue and the event subscription.
-/// One per quota and process is the normal use.
+/// One per quota and process is the normal use. Handles built separately for the same name on the
+/// same backend share what this process knows of the quota's leases: a task acquired through one
+/// of them while another holds it gets that same lease, which lives until the last handle to it
+/// is released or dropped.
 ///
 /// ```
 /// # #[tokio::main] async fn main() -> leasehold::Result<()> {
@@ -57,14 +59,11 @@ pub(crate) struct Shared {
     pub(crate) keys: QuotaKeys,
     pub(crate) config: QuotaConfig,
     pub(crate) backend: Arc<dyn Backend>,
-    /// Live leases of this quota in this process, by task id.
-    registry: Mutex<HashMap<String, Weak<LeaseInner>>>,
+    /// Live leases, attempts and turns of this quota in this process, shared with the other
+    /// handles built for it on this backend.
+    admissions: Arc<Admissions>,
     waiters: WaitQueue,
     listening: AtomicBool,
-    /// Admission attempts under way in this process, by task id.
-    attempts: Mutex<HashMap<String, usize>>,
-    /// Admissions and releases of one task id reach the backend one at a time.
-    turns: TaskTurns,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
     pub(crate) shutdown: CancellationToken,
     pub(crate) breaker: Breaker,
@@ -171,13 +170,11 @@ impl Quota {
 
     pub(crate) fn start(keys: QuotaKeys, config: QuotaConfig, backend: Arc<dyn Backend>) -> Quota {
         let shared = Arc::new(Shared {
+            admissions: admissions::of(&backend, &keys.name),
             keys,
             backend,
-            registry: Mutex::new(HashMap::new()),
             waiters: WaitQueue::default(),
             listening: AtomicBool::new(false),
-            attempts: Mutex::new(HashMap::new()),
-            turns: TaskTurns::default(),
             shutdown: CancellationToken::new(),
             breaker: Breaker::new(config.breaker),
             local_held: AtomicU32::new(0),
@@ -420,7 +417,11 @@ struct AttemptInFlight<'a> {
 
 impl<'a> AttemptInFlight<'a> {
     fn new(shared: &'a Shared, task_id: &'a str) -> Self {
-        let mut attempts = shared.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut attempts = shared
+            .admissions
+            .attempts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         *attempts.entry(task_id.to_owned()).or_default() += 1;
         AttemptInFlight { shared, task_id }
     }
@@ -430,6 +431,7 @@ impl Drop for AttemptInFlight<'_> {
     fn drop(&mut self) {
         let mut attempts = self
             .shared
+            .admissions
             .attempts
             .lock()
             .unwrap_or_else(|e| e.into_inner());
@@ -474,11 +476,11 @@ impl Shared {
         let shared = self.clone();
         let id = task_id.to_owned();
         runtime::spawn(async move {
-            let _counted = AttemptInFlight::new(&shared, &id);
+            let counted = AttemptInFlight::new(&shared, &id);
             let (reply, admitted) = {
                 // Adopted before the turn ends, so that a release of this task that waits for
                 // the turn sees the new handle and leaves the lease to it.
-                let _turn = shared.turns.take(&id).await;
+                let _turn = shared.admissions.turns.take(&id).await;
                 let sent = Instant::now();
                 let reply = shared
                     .backend
@@ -501,6 +503,7 @@ impl Shared {
                         // Given back the way an orphan is: another caller of the same task may
                         // already share this admission (its acquire came back `held`), and then
                         // dropping this handle must not release it.
+                        drop(counted);
                         shared.wait_for_other_attempts(&id).await;
                         drop(unclaimed);
                     }
@@ -539,7 +542,9 @@ impl Shared {
             if let Err(Ok(Attempt::Admitted(orphan))) = tx.send(outcome) {
                 // The caller gave up. A retry of the same task already in flight will come back
                 // `held` with this very lease: keep it until that retry has adopted it, then let
-                // it go; if nobody shares it, its drop releases it at once.
+                // it go; if nobody shares it, its drop releases it at once. This attempt no longer
+                // counts: another orphan of the task must not wait for it, nor it for them.
+                drop(counted);
                 shared.wait_for_other_attempts(&id).await;
                 drop(orphan);
             }
@@ -557,32 +562,49 @@ impl Shared {
         // Upgraded handles are dropped only after the guard: a last handle's drop re-enters
         // the registry (see `forget`).
         let found = {
-            let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            let registry = self
+                .admissions
+                .registry
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             registry.get(task_id).and_then(Weak::upgrade)
         };
         found.filter(|l| !l.is_lost())
     }
 
-    /// The live leases in this process.
+    /// The live leases this handle admitted (and renews), in this process.
     pub(crate) fn leases(&self) -> Vec<Arc<LeaseInner>> {
         let found: Vec<_> = {
-            let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            let registry = self
+                .admissions
+                .registry
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             registry.values().filter_map(Weak::upgrade).collect()
         };
-        found.into_iter().filter(|l| !l.is_lost()).collect()
+        // Other handles of this quota share the registry, and renew their own leases.
+        found
+            .into_iter()
+            .filter(|l| !l.is_lost() && std::ptr::eq(Arc::as_ptr(&l.quota), self))
+            .collect()
     }
 
     /// Admission attempts of `task_id` under way in this process.
     fn attempts_in_flight(&self, task_id: &str) -> usize {
-        let attempts = self.attempts.lock().unwrap_or_else(|e| e.into_inner());
+        let attempts = self
+            .admissions
+            .attempts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         attempts.get(task_id).copied().unwrap_or(0)
     }
 
-    /// Waits, at most [`ORPHAN_GRACE`], until no attempt of `task_id` other than the caller's is
-    /// under way: one that comes back `held` adopts the caller's lease before it is let go.
+    /// Waits, at most [`ORPHAN_GRACE`], until no attempt of `task_id` whose caller still waits is
+    /// under way (the caller's own no longer counts): one that comes back `held` adopts the
+    /// caller's lease before it is let go.
     async fn wait_for_other_attempts(&self, task_id: &str) {
         let until = Instant::now() + ORPHAN_GRACE;
-        while self.attempts_in_flight(task_id) > 1 && Instant::now() < until {
+        while self.attempts_in_flight(task_id) > 0 && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -620,7 +642,11 @@ impl Shared {
     /// Returns a handle to the lease the backend just reported, sharing the live one of this
     /// process when it is the same admission.
     fn adopt(self: &Arc<Self>, record: &LeaseRecord, sent: Instant) -> Lease {
-        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let mut registry = self
+            .admissions
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         // `live` may be the last handle of a stale admission: it is dropped only after the
         // registry is unlocked, because that drop needs the registry.
         let live = registry.get(&record.task_id).and_then(Weak::upgrade);
@@ -701,7 +727,11 @@ impl Shared {
 
     /// Removes `lease` from the registry if it is the entry for its task id.
     pub(crate) fn forget(&self, lease: &LeaseInner) {
-        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let mut registry = self
+            .admissions
+            .registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if registry
             .get(&lease.task_id)
             .is_some_and(|w| std::ptr::eq(w.as_ptr(), lease))
@@ -719,7 +749,7 @@ impl Shared {
         let Some(token) = token else {
             return self.backend.release(&self.keys, task_id, None).await;
         };
-        let _turn = self.turns.take(task_id).await;
+        let _turn = self.admissions.turns.take(task_id).await;
         // An acquire of this task that came back `held` while the release waited for its turn
         // handed this very admission to a new handle: the slot is that handle's now.
         if self.lease(task_id).is_some_and(|live| live.token == token) {

@@ -57,6 +57,16 @@ where
     if on_leasehold_thread() {
         return fut.await;
     }
+    finish(fut).await
+}
+
+/// Runs `fut` on the leasehold runtime and waits for it; it runs to its end even if the caller
+/// stops waiting.
+pub(crate) async fn finish<T, F>(fut: F) -> Result<T>
+where
+    F: Future<Output = Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
     spawn(fut)
         .await
         .map_err(|e| Error::BackendUnavailable(format!("leasehold runtime task failed: {e}")))?

@@ -1,0 +1,47 @@
+//! What this process knows of one quota's admissions: its live leases, the attempts under way and
+//! the turns of each task id.
+//!
+//! Shared by every [`Quota`](crate::Quota) built for the same quota name on the same backend, so
+//! that two handles built separately (the embedded backend is one per process) behave as one: an
+//! acquire through one of them that comes back `held` shares the other's lease instead of
+//! holding a copy that the other's release would end, and their calls take the same turns.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use crate::backend::Backend;
+use crate::lease::LeaseInner;
+use crate::task_turns::TaskTurns;
+
+#[derive(Default)]
+pub(crate) struct Admissions {
+    /// Live leases, by task id.
+    pub(crate) registry: Mutex<HashMap<String, Weak<LeaseInner>>>,
+    /// Admission attempts under way whose caller still waits, by task id.
+    pub(crate) attempts: Mutex<HashMap<String, usize>>,
+    /// Admissions and releases of one task id reach the backend one at a time.
+    pub(crate) turns: TaskTurns,
+}
+
+/// Backend (by address) and quota name → their admissions, while some `Quota` uses them.
+type Known = HashMap<(usize, String), Weak<Admissions>>;
+
+/// The admissions of quota `name` on `backend`, shared with every live `Quota` of that pair.
+pub(crate) fn of(backend: &Arc<dyn Backend>, name: &str) -> Arc<Admissions> {
+    static KNOWN: OnceLock<Mutex<Known>> = OnceLock::new();
+    // Every live `Admissions` is held by a quota that also holds the backend, so the address
+    // cannot be reused by another backend while the entry is alive.
+    let backend = Arc::as_ptr(backend).cast::<()>() as usize;
+    let mut known = KNOWN
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    known.retain(|_, admissions| admissions.strong_count() > 0);
+    let key = (backend, name.to_owned());
+    if let Some(live) = known.get(&key).and_then(Weak::upgrade) {
+        return live;
+    }
+    let fresh = Arc::new(Admissions::default());
+    known.insert(key, Arc::downgrade(&fresh));
+    fresh
+}

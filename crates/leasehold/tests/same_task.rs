@@ -1,0 +1,209 @@
+//! Calls about one task id in one process: whatever order they are made in, and however many
+//! `Quota` handles make them, the process never believes it holds a lease the backend has freed,
+//! and never keeps a slot nobody holds. Each test owns its backend (a private redis-server, or an
+//! in-memory backend) and every loop is bounded.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Fixture;
+
+const TTL: Duration = Duration::from_millis(600);
+
+/// Two `Quota` handles of one name on one backend (the embedded backend is one per process, so
+/// `Quota::builder("q").build()` twice gives exactly this). The release sent by one handle's drop
+/// and the acquire of the other travel in separate batches: without shared turns, the acquire
+/// could come back `held` on the admission being released, and run on a freed slot.
+async fn reacquire_through_a_second_handle(fx: Fixture) {
+    let q1 = fx.quota(1, TTL);
+    let q2 = fx.quota(1, TTL);
+    // Both listen, as they would after any acquire.
+    drop(q2.try_acquire("warm-up").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let end = Instant::now() + Duration::from_secs(20);
+    for round in 0..100 {
+        if Instant::now() > end {
+            break;
+        }
+        let lease = q1.try_acquire("again").await.unwrap();
+        let before = lease.fencing_token();
+        drop(lease);
+        let next = q2
+            .acquire_timeout("again", Duration::from_secs(2))
+            .await
+            .unwrap();
+        // `held` on the admission q1 is releasing: the release runs after it.
+        let reused = next.fencing_token() == before;
+        let held_at_once = next.is_held();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !(reused && held_at_once),
+            "round {round}: q2 was handed token {before}, the admission q1 was releasing, as held \
+             (now lost={:?}, backend holds {:?})",
+            next.lost_reason(),
+            q2.status().await.unwrap().holders,
+        );
+        let holders = q2.status().await.unwrap().holders;
+        let in_backend = holders
+            .iter()
+            .any(|h| h.fencing_token == next.fencing_token());
+        assert!(
+            in_backend || !next.is_held(),
+            "round {round}: q2's handle (token {}, previous {before}) says held, lost={:?}, \
+             the backend holds {holders:?}",
+            next.fencing_token(),
+            next.lost_reason(),
+        );
+        drop(next);
+        // Let the release of `next` finish before the next round.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_task_dropped_by_one_handle_and_acquired_by_another_holds_a_live_lease() {
+    reacquire_through_a_second_handle(Fixture::redis().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_task_dropped_by_one_handle_and_acquired_by_another_holds_a_live_lease() {
+    reacquire_through_a_second_handle(Fixture::memory().await).await
+}
+
+/// A task held through one handle and acquired again through another: both share one lease,
+/// which the first handle's drop does not end.
+async fn one_lease_shared_by_two_handles(fx: Fixture) {
+    let q1 = fx.quota(1, TTL);
+    let q2 = fx.quota(1, TTL);
+    let first = q1.try_acquire("shared").await.unwrap();
+    let second = q2.try_acquire("shared").await.unwrap();
+    assert_eq!(second.fencing_token(), first.fencing_token(), "the same admission");
+    drop(first);
+    // Longer than a release takes, and than one ttl: the lease is still renewed.
+    tokio::time::sleep(TTL + TTL / 2).await;
+    let holders = q2.status().await.unwrap().holders;
+    assert!(second.is_held(), "lost: {:?}", second.lost_reason());
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    assert_eq!(holders[0].fencing_token, second.fencing_token());
+    second.release().await.unwrap();
+    assert!(q2.status().await.unwrap().holders.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_one_lease_is_shared_by_two_handles_until_the_last_lets_go() {
+    one_lease_shared_by_two_handles(Fixture::redis().await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_one_lease_is_shared_by_two_handles_until_the_last_lets_go() {
+    one_lease_shared_by_two_handles(Fixture::memory().await).await
+}
+
+/// A quota whose client reaches a private redis-server through a proxy (for latency), and a
+/// second, direct client of the same server to look at the truth.
+struct Proxied {
+    _server: leasehold_testkit::RedisServer,
+    proxy: leasehold_testkit::proxy::FaultProxy,
+    quota: leasehold::Quota,
+    direct: leasehold::Quota,
+}
+
+async fn proxied(limit: u64, ttl: Duration) -> Proxied {
+    use std::sync::Arc;
+    let server = leasehold_testkit::RedisServer::start();
+    let proxy = leasehold_testkit::proxy::FaultProxy::start(server.port());
+    let slow = leasehold::RedisBackend::connect(&proxy.url())
+        .await
+        .unwrap();
+    let fast = leasehold::RedisBackend::connect(&server.url())
+        .await
+        .unwrap();
+    let name = common::unique("proxied");
+    let quota = leasehold::Quota::builder(name.clone())
+        .limit(limit)
+        .ttl(ttl)
+        .shared_backend(Arc::new(slow))
+        .build()
+        .unwrap();
+    let direct = leasehold::Quota::builder(name)
+        .limit(limit)
+        .ttl(ttl)
+        .shared_backend(Arc::new(fast))
+        .build()
+        .unwrap();
+    Proxied {
+        _server: server,
+        proxy,
+        quota,
+        direct,
+    }
+}
+
+/// `Lease::release` may wait for the task's turn before its request goes out. A caller that stops
+/// waiting then (a timeout, a `select!`, an aborted task) must not cancel it: the lease already
+/// counts as released, so neither a second `release()` nor the drop would send it, and the slot
+/// would stay taken, unrenewed, for a whole ttl.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_whose_caller_stops_waiting_is_still_sent() {
+    let ttl = Duration::from_secs(3);
+    let px = proxied(1, ttl).await;
+    let quota = px.quota.clone();
+    let lease = quota.try_acquire("x").await.unwrap();
+    // The holder is cancelled; a duplicate attempt of the same task id is under way (it will be
+    // answered `cancelled` and adopts nothing), on a link with 2 × 100 ms of latency.
+    quota.cancel("x", "stop").await.unwrap();
+    px.proxy.set_latency(Duration::from_millis(100));
+    let duplicate = {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.try_acquire("x").await })
+    };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // The holder lets go, but gives its release 50 ms only (e.g. a shutdown deadline).
+    let first = tokio::time::timeout(Duration::from_millis(50), lease.release()).await;
+    assert!(
+        first.is_err(),
+        "the release waited for the duplicate's turn"
+    );
+    let dup = tokio::time::timeout(Duration::from_secs(3), duplicate).await;
+    assert!(
+        matches!(dup, Ok(Ok(Err(leasehold::Error::Cancelled(_))))),
+        "{dup:?}"
+    );
+    px.proxy.set_latency(Duration::ZERO);
+    // A second release has nothing left to send.
+    lease.release().await.unwrap();
+    drop(lease);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let holders = px.direct.status().await.unwrap().holders;
+    assert!(
+        holders.is_empty(),
+        "released twice (Ok), dropped, yet the backend still holds {holders:?} until its ttl"
+    );
+}
+
+/// Two callers of one task id give up (`acquire_timeout`) while their attempts are in flight. A
+/// late admission nobody waits for is kept only while another attempt whose caller still waits
+/// is under way; two such orphans must not wait for each other (for the whole 2 s grace) while
+/// the slot is taken by nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_callers_that_give_up_on_one_task_leave_its_slot_free() {
+    let px = proxied(1, Duration::from_secs(5)).await;
+    let quota = px.quota.clone();
+    drop(quota.try_acquire("warm-up").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    px.proxy.set_latency(Duration::from_millis(100));
+    let give_up = |quota: leasehold::Quota| async move {
+        quota.acquire_timeout("x", Duration::from_millis(50)).await
+    };
+    let (a, b) = tokio::join!(give_up(quota.clone()), give_up(quota.clone()));
+    assert!(a.is_err() && b.is_err());
+    px.proxy.set_latency(Duration::ZERO);
+    // Both attempts are answered within ~0.5 s (two turns of 200 ms each).
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let holders = px.direct.status().await.unwrap().holders;
+    assert!(
+        holders.is_empty(),
+        "nobody holds `x` in this process, yet 1 s later the backend still has {holders:?}"
+    );
+}
