@@ -7,6 +7,7 @@
 //! holding a copy that the other's release would end, and their calls take the same turns.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::backend::Backend;
@@ -21,6 +22,9 @@ pub(crate) struct Admissions {
     pub(crate) attempts: Mutex<HashMap<String, usize>>,
     /// Admissions and releases of one task id reach the backend one at a time.
     pub(crate) turns: TaskTurns,
+    /// Leases granted by the backend-down policy and not yet released: `DegradeLocal`'s share
+    /// is for the process, whichever handle grants them.
+    pub(crate) local_held: AtomicU32,
 }
 
 /// Backend (by address) and quota name → their admissions, while some `Quota` uses them.

@@ -59,6 +59,8 @@ pub(crate) struct Breaker {
 #[derive(Debug, Default)]
 struct State {
     failures: u32,
+    /// When the last counted failure was seen.
+    failed_at: Option<Instant>,
     open_until: Option<Instant>,
     probing: bool,
 }
@@ -106,8 +108,15 @@ impl Breaker {
         *state = State::default();
     }
 
-    pub(crate) fn failure(&self) {
+    /// A call sent at `sent` failed transiently. Calls already under way when the previous
+    /// failure was seen do not count again: one failed batch (or one blip seen by many concurrent
+    /// calls) is one failure, so only consecutive rounds of failures open the circuit.
+    pub(crate) fn failure(&self, sent: Instant) {
         let mut state = self.lock();
+        if state.failed_at.is_some_and(|at| sent < at) {
+            return;
+        }
+        state.failed_at = Some(Instant::now());
         state.failures += 1;
         if state.probing || state.failures >= self.config.failures_to_open {
             if state.open_until.is_none() {
@@ -133,23 +142,40 @@ mod tests {
             failures_to_open: 2,
             cool_down: Duration::from_millis(20),
         });
-        b.failure();
+        b.failure(Instant::now());
         assert_eq!(b.mode(), BreakerMode::Closed);
         b.success(); // not consecutive
-        b.failure();
-        b.failure();
+        b.failure(Instant::now());
+        b.failure(Instant::now());
         assert_eq!(b.mode(), BreakerMode::Open);
         assert_eq!(b.permit(), Permit::Reject);
         std::thread::sleep(Duration::from_millis(40)); // > 1.5 x cool-down
         assert_eq!(b.mode(), BreakerMode::HalfOpen);
         assert_eq!(b.permit(), Permit::Call, "one probe");
         assert_eq!(b.permit(), Permit::Reject, "only one");
-        b.failure(); // the probe failed
+        b.failure(Instant::now()); // the probe failed
         assert_eq!(b.mode(), BreakerMode::Open);
         std::thread::sleep(Duration::from_millis(40));
         assert_eq!(b.permit(), Permit::Call);
         b.success();
         assert_eq!(b.mode(), BreakerMode::Closed);
         assert_eq!(b.permit(), Permit::Call);
+    }
+
+    #[test]
+    fn calls_under_way_when_a_failure_is_seen_count_as_that_one_failure() {
+        let b = Breaker::new(BreakerConfig {
+            failures_to_open: 2,
+            cool_down: Duration::from_secs(1),
+        });
+        // Three calls of one batch, sent together, fail together.
+        let sent = Instant::now();
+        b.failure(sent);
+        b.failure(sent);
+        b.failure(sent);
+        assert_eq!(b.mode(), BreakerMode::Closed, "one round of failures");
+        // A call sent after that failure was seen fails too: a second round.
+        b.failure(Instant::now());
+        assert_eq!(b.mode(), BreakerMode::Open);
     }
 }

@@ -31,7 +31,8 @@ pub enum BackendDownPolicy {
     FailOpen,
     /// Admit up to `share` leases in this process while the backend cannot answer, for example
     /// limit / expected number of workers, so the fleet stays near the limit instead of at zero
-    /// or at infinity.
+    /// or at infinity. The share is counted across every handle of the quota on the same
+    /// backend in the process.
     DegradeLocal {
         /// Leases this process may hold without the backend.
         share: u32,

@@ -76,7 +76,7 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
             "no renewal reply within {bound:?}"
         ))),
     };
-    shared.record_backend_result(&reply);
+    shared.record_backend_result(&reply, sent);
     let outcomes = match reply {
         Ok(outcomes) => outcomes,
         Err(e) => {

@@ -1,7 +1,7 @@
 //! [`Quota`]: a handle to one named, fleet-wide concurrency quota.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rand::Rng;
@@ -64,11 +64,11 @@ pub(crate) struct Shared {
     admissions: Arc<Admissions>,
     waiters: WaitQueue,
     listening: AtomicBool,
+    /// When the last subscription attempt failed, so that waiters retry it only now and then.
+    subscribe_failed_at: Mutex<Option<Instant>>,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
     pub(crate) shutdown: CancellationToken,
     pub(crate) breaker: Breaker,
-    /// Leases granted by the backend-down policy and not yet released.
-    local_held: AtomicU32,
 }
 
 /// The longest an admission whose caller gave up waits for another attempt of the same task in
@@ -123,6 +123,9 @@ pub(crate) enum Attempt {
 /// on a slot others could use: the admission is released and the waiter tries again later.
 const TAKE_GRACE: Duration = Duration::from_millis(100);
 
+/// How long after a failed subscription a waiter tries again (each try may cost a call timeout).
+const SUBSCRIBE_RETRY: Duration = Duration::from_secs(1);
+
 /// An admission attempt under way (or decided at once, without the backend).
 pub(crate) enum StartedAttempt {
     Done(Result<Attempt>),
@@ -175,9 +178,9 @@ impl Quota {
             backend,
             waiters: WaitQueue::default(),
             listening: AtomicBool::new(false),
+            subscribe_failed_at: Mutex::new(None),
             shutdown: CancellationToken::new(),
             breaker: Breaker::new(config.breaker),
-            local_held: AtomicU32::new(0),
             config,
         });
         heartbeat::start(&shared);
@@ -197,7 +200,7 @@ impl Quota {
     /// Leases granted in this process by the backend-down policy, without the backend, and not
     /// yet released.
     pub fn local_leases(&self) -> u32 {
-        self.shared.local_held.load(Ordering::Acquire)
+        self.shared.admissions.local_held.load(Ordering::Acquire)
     }
 
     /// The limit this handle admits up to.
@@ -324,14 +327,25 @@ impl Quota {
         // Only a newcomer to an empty queue (or a task that already holds) may try at once;
         // otherwise it would overtake older waiters.
         let mut retry_after = shared.until_expiry_or_poll();
-        if shared.waiters.is_empty() || shared.holds(task_id) {
+        let try_at_once = shared.waiters.is_empty() || shared.holds(task_id);
+        // In the queue (busy) before that first attempt: a release announced while it is out
+        // is kept for this waiter's next round instead of waking nobody.
+        let place = shared.waiters.join(task_id);
+        if try_at_once {
+            place.attempting();
             match self.attempt(task_id).await? {
                 Attempt::Admitted(lease) => return Ok(lease),
-                Attempt::Full { retry_after: r } => retry_after = r,
+                Attempt::Full { retry_after: r } => {
+                    retry_after = r;
+                    place.idle();
+                }
             }
         }
-        let place = shared.waiters.join(task_id);
         loop {
+            // The backend answers (this waiter was told "full"): if the subscription is missing
+            // (the circuit was open when the wait began, or it failed or ended), try again, so
+            // that releases wake this waiter rather than its polls.
+            self.ensure_listening().await;
             let sleep = if place.is_head() {
                 // At most one ttl: a refusal keeps releases announced (the `waiting` marker) only
                 // for as long as some waiter comes back within that time.
@@ -387,10 +401,24 @@ impl Quota {
         }
         if self.shared.breaker.mode() == BreakerMode::Open {
             // The policy answers at once while the circuit is open; subscribing would wait on
-            // the unreachable backend first. A later acquire subscribes.
+            // the unreachable backend first. A later acquire, or a waiter's next round, subscribes.
             return;
         }
-        match self.shared.backend.subscribe(&self.shared.keys).await {
+        let failed_at = *self
+            .shared
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if failed_at.is_some_and(|at| at.elapsed() < SUBSCRIBE_RETRY) {
+            return;
+        }
+        let subscribed = self.shared.backend.subscribe(&self.shared.keys).await;
+        *self
+            .shared
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = subscribed.is_err().then(Instant::now);
+        match subscribed {
             Ok(events) => {
                 if !self.shared.listening.swap(true, Ordering::AcqRel) {
                     let stop = self.shared.shutdown.clone();
@@ -477,7 +505,7 @@ impl Shared {
         let id = task_id.to_owned();
         runtime::spawn(async move {
             let counted = AttemptInFlight::new(&shared, &id);
-            let (reply, admitted) = {
+            let (reply, admitted, sent) = {
                 // Adopted before the turn ends, so that a release of this task that waits for
                 // the turn sees the new handle and leaves the lease to it.
                 let _turn = shared.admissions.turns.take(&id).await;
@@ -492,9 +520,9 @@ impl Shared {
                     }
                     _ => None,
                 };
-                (reply, admitted)
+                (reply, admitted, sent)
             };
-            shared.record_backend_result(&reply);
+            shared.record_backend_result(&reply, sent);
             if let Some(taken_rx) = taken_rx {
                 // Usually taken long before the reply; otherwise the waiter is not running.
                 let taken = matches!(tokio::time::timeout(TAKE_GRACE, taken_rx).await, Ok(Ok(())));
@@ -679,9 +707,9 @@ impl Shared {
     }
 
     /// Feeds the short-circuit with the outcome of a backend call.
-    pub(crate) fn record_backend_result<T>(&self, result: &Result<T>) {
+    pub(crate) fn record_backend_result<T>(&self, result: &Result<T>, sent: Instant) {
         match result {
-            Err(Error::BackendUnavailable(_)) => self.breaker.failure(),
+            Err(Error::BackendUnavailable(_)) => self.breaker.failure(sent),
             _ => self.breaker.success(),
         }
     }
@@ -694,6 +722,7 @@ impl Shared {
             BackendDownPolicy::FailOpen => Ok(Attempt::Admitted(self.local_lease(task_id))),
             BackendDownPolicy::DegradeLocal { share } => {
                 let took = self
+                    .admissions
                     .local_held
                     .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                         (held < share).then_some(held + 1)
@@ -709,7 +738,7 @@ impl Shared {
     }
 
     fn local_lease(self: &Arc<Self>, task_id: &str) -> Lease {
-        self.local_held.fetch_add(1, Ordering::AcqRel);
+        self.admissions.local_held.fetch_add(1, Ordering::AcqRel);
         self.local_lease_counted(task_id)
     }
 
@@ -721,8 +750,15 @@ impl Shared {
     }
 
     /// A local lease was released.
-    pub(crate) fn local_released(&self) {
-        self.local_held.fetch_sub(1, Ordering::AcqRel);
+    pub(crate) fn local_released(self: &Arc<Self>) {
+        self.admissions.local_held.fetch_sub(1, Ordering::AcqRel);
+        if matches!(
+            self.config.when_down,
+            BackendDownPolicy::DegradeLocal { .. }
+        ) {
+            // A waiter held back by the share may take it now, not at its next poll.
+            self.slot_freed();
+        }
     }
 
     /// Removes `lease` from the registry if it is the entry for its task id.

@@ -78,7 +78,11 @@ async fn one_lease_shared_by_two_handles(fx: Fixture) {
     let q2 = fx.quota(1, TTL);
     let first = q1.try_acquire("shared").await.unwrap();
     let second = q2.try_acquire("shared").await.unwrap();
-    assert_eq!(second.fencing_token(), first.fencing_token(), "the same admission");
+    assert_eq!(
+        second.fencing_token(),
+        first.fencing_token(),
+        "the same admission"
+    );
     drop(first);
     // Longer than a release takes, and than one ttl: the lease is still renewed.
     tokio::time::sleep(TTL + TTL / 2).await;
