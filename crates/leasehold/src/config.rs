@@ -123,7 +123,7 @@ impl QuotaBuilder {
     /// How long the oldest waiter of this process sleeps between attempts when no wake-up
     /// arrives (Pub/Sub can lose messages): jittered between half and one and a half of it, and
     /// never past the expiry hint of its last full answer or the ttl. Other waiters sleep 0.5–1.5 ×
-    /// 4 × this. Default 250 ms.
+    /// 4 × this, at most the ttl. Default 250 ms.
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.poll_interval = every;
         self

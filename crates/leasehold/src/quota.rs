@@ -353,8 +353,10 @@ impl Quota {
                     .min(retry_after)
                     .min(shared.config.ttl)
             } else {
-                // Not first in line: the head watches expiries; poll rarely, as a safety net.
+                // Not first in line: the head watches expiries; poll rarely, as a safety net, but
+                // within a ttl, so the `waiting` marker lives on even if the head is wedged.
                 self.jitter(shared.config.poll_interval * 4)
+                    .min(shared.config.ttl)
             };
             let asked = tokio::select! {
                 asked = place.woken() => asked,
