@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU32;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use crate::backend::Backend;
 use crate::lease::LeaseInner;
@@ -17,9 +17,9 @@ use crate::task_turns::TaskTurns;
 #[derive(Default)]
 pub(crate) struct Admissions {
     /// Live leases, by task id.
-    pub(crate) registry: Mutex<HashMap<String, Weak<LeaseInner>>>,
+    registry: Mutex<HashMap<String, Weak<LeaseInner>>>,
     /// Admission attempts under way whose caller still waits, by task id.
-    pub(crate) attempts: Mutex<HashMap<String, usize>>,
+    attempts: Mutex<HashMap<String, usize>>,
     /// Admissions and releases of one task id reach the backend one at a time.
     pub(crate) turns: TaskTurns,
     /// Leases granted by the backend-down policy and not yet released: `DegradeLocal`'s share
@@ -27,15 +27,29 @@ pub(crate) struct Admissions {
     pub(crate) local_held: AtomicU32,
 }
 
-/// Backend (by address) and quota name → their admissions, while some `Quota` uses them.
+impl Admissions {
+    /// The live leases, by task id. A lease whose last handle may drop must not be dropped while
+    /// this is held: its drop looks the registry up again.
+    pub(crate) fn registry(&self) -> MutexGuard<'_, HashMap<String, Weak<LeaseInner>>> {
+        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Attempts under way whose caller still waits, by task id.
+    pub(crate) fn attempts(&self) -> MutexGuard<'_, HashMap<String, usize>> {
+        self.attempts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Backend (by [`Backend::identity`]) and quota name → their admissions, while some `Quota`
+/// uses them.
 type Known = HashMap<(usize, String), Weak<Admissions>>;
 
 /// The admissions of quota `name` on `backend`, shared with every live `Quota` of that pair.
 pub(crate) fn of(backend: &Arc<dyn Backend>, name: &str) -> Arc<Admissions> {
     static KNOWN: OnceLock<Mutex<Known>> = OnceLock::new();
-    // Every live `Admissions` is held by a quota that also holds the backend, so the address
-    // cannot be reused by another backend while the entry is alive.
-    let backend = Arc::as_ptr(backend).cast::<()>() as usize;
+    // Every live `Admissions` is held by a quota that also holds the backend, so its identity
+    // cannot be taken by another backend while the entry is alive.
+    let backend = backend.identity();
     let mut known = KNOWN
         .get_or_init(Mutex::default)
         .lock()

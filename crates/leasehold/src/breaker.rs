@@ -23,7 +23,11 @@ pub enum BreakerMode {
 /// When the circuit opens and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BreakerConfig {
-    /// Consecutive transient failures (errors or timeouts) that open the circuit. Default 3.
+    /// Consecutive rounds of transient failures (errors or timeouts) that open the circuit.
+    /// Default 3. A round is a failure and the calls already under way when it was seen, so one
+    /// failed batch, or one blip seen by many calls, counts once. Against a backend that stops
+    /// answering (a partition), the circuit opens after about this many call timeouts (3 s by
+    /// default); against one that refuses connections, after as many quick failures.
     pub failures_to_open: u32,
     /// How long the circuit stays open before a probe, jittered between half and one and a half
     /// of it so that a fleet does not reconnect in lockstep. Default 1 s. Acquires are answered

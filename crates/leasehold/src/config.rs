@@ -14,6 +14,8 @@ use crate::quota::Quota;
 pub const MIN_TTL: Duration = Duration::from_millis(50);
 /// Longest lease ttl accepted.
 pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
+/// The longest cancel marker ttl a quota accepts (30 days).
+pub const MAX_CANCEL_MARKER_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// The embedded backend every quota built without [`QuotaBuilder::backend`] shares, so that two
 /// handles to one quota name in one process see the same leases.
@@ -131,7 +133,9 @@ impl QuotaBuilder {
 
     /// How long a cancel marker is kept: long enough to outlive a queued task's wait plus one
     /// lease ttl, so a task cancelled while it waits is refused when its turn comes. A task id
-    /// cannot be admitted again while its marker lives. Default 1 hour + ttl.
+    /// cannot be admitted again while its marker lives. At least two ttls (a holder whose cancel
+    /// message was lost learns it from a renewal, which may arrive up to about one ttl late) and
+    /// at most [`MAX_CANCEL_MARKER_TTL`]. Default 1 hour + ttl.
     pub fn cancel_marker_ttl(mut self, ttl: Duration) -> Self {
         self.cancel_marker_ttl = Some(ttl);
         self
@@ -201,10 +205,14 @@ impl QuotaBuilder {
             ))
             .into());
         }
-        if self.cancel_marker_ttl.is_some_and(|t| t < self.ttl) {
-            return Err(
-                timing("the cancel marker ttl must be at least the lease ttl".into()).into(),
-            );
+        if self
+            .cancel_marker_ttl
+            .is_some_and(|t| t < self.ttl * 2 || t > MAX_CANCEL_MARKER_TTL)
+        {
+            return Err(timing(format!(
+                "the cancel marker ttl must be between two lease ttls and {MAX_CANCEL_MARKER_TTL:?}"
+            ))
+            .into());
         }
         if self.when_down == (BackendDownPolicy::DegradeLocal { share: 0 }) {
             return Err(timing("DegradeLocal needs a share of at least 1".into()).into());
@@ -258,6 +266,13 @@ mod tests {
         ));
         assert!(misconfigured(q().heartbeat(Duration::ZERO)));
         assert!(misconfigured(q().safety_margin(Duration::from_secs(6))));
+        assert!(misconfigured(
+            q().cancel_marker_ttl(Duration::from_secs(19))
+        ));
+        assert!(misconfigured(q().cancel_marker_ttl(Duration::MAX)));
+        assert!(!misconfigured(
+            q().cancel_marker_ttl(Duration::from_secs(20))
+        ));
         assert!(misconfigured(QuotaBuilder::new("a{b}").limit(1)));
     }
 }

@@ -2,9 +2,10 @@
 //! this process with one backend call per heartbeat interval, and fires `lost` at each lease's
 //! local deadline when renewals cannot get through.
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
+use tokio::sync::Notify;
 use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 
@@ -14,14 +15,43 @@ use crate::lease::LeaseInner;
 use crate::quota::Shared;
 use crate::runtime;
 
-pub(crate) fn start(shared: &Arc<Shared>) {
-    let stop = shared.shutdown.clone();
-    runtime::spawn(run(Arc::downgrade(shared), stop));
+/// Leases renewed by one backend call (the Redis backend's largest renew script call).
+const RENEW_CHUNK: usize = 5000;
+
+/// Wakes the renewal task early when a new lease's local deadline comes before the wake-up it
+/// planned (the lease's acquire round trip already used part of its ttl).
+#[derive(Debug, Default)]
+pub(crate) struct Alarm {
+    notify: Notify,
+    /// The planned wake-up; `None` while the task is working out the next one.
+    planned: Mutex<Option<Instant>>,
 }
 
-async fn run(shared: Weak<Shared>, stop: CancellationToken) {
+impl Alarm {
+    fn planned(&self) -> MutexGuard<'_, Option<Instant>> {
+        self.planned.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A lease with local deadline `at` was just registered.
+    pub(crate) fn new_deadline(&self, at: Instant) {
+        if self.planned().is_none_or(|planned| at < planned) {
+            self.notify.notify_one();
+        }
+    }
+}
+
+pub(crate) fn start(shared: &Arc<Shared>) {
+    let stop = shared.shutdown.clone();
+    let alarm = shared.alarm.clone();
+    runtime::spawn(run(Arc::downgrade(shared), stop, alarm));
+}
+
+async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
     let mut next_beat = Instant::now();
     loop {
+        // Cleared before the registry is read: a lease registered from now on rings the alarm
+        // unless the plan set below already covers it.
+        *alarm.planned() = None;
         let wake_at = {
             let Some(shared) = shared.upgrade() else {
                 return;
@@ -36,12 +66,15 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken) {
             if now >= next_beat {
                 next_beat = now + shared.config.heartbeat;
                 let live: Vec<_> = leases.iter().filter(|l| !l.is_lost()).cloned().collect();
-                if !live.is_empty() {
-                    // Beats may overlap when round trips outlast the interval: renewals are
-                    // idempotent and deadlines only move forward, and each is bounded by its
-                    // leases' local deadline, so at most about ttl / heartbeat are in flight.
+                // Beats may overlap when round trips outlast the interval: renewals are
+                // idempotent and deadlines only move forward, and each is bounded by its
+                // leases' local deadline, so at most about ttl / heartbeat are in flight. Past
+                // one backend call's worth of leases, the calls go out side by side, each with
+                // its own bound and its own answers.
+                for chunk in live.chunks(RENEW_CHUNK) {
                     let shared = shared.clone();
-                    runtime::spawn(async move { renew(&shared, live).await });
+                    let chunk = chunk.to_vec();
+                    runtime::spawn(async move { renew(&shared, chunk).await });
                 }
             }
             leases
@@ -50,8 +83,10 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken) {
                 .map(|l| l.local_deadline())
                 .fold(next_beat, Instant::min)
         };
+        *alarm.planned() = Some(wake_at);
         tokio::select! {
             _ = sleep_until(wake_at.into()) => {}
+            _ = alarm.notify.notified() => {}
             _ = stop.cancelled() => return,
         }
     }
@@ -87,7 +122,9 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
     };
     for (lease, outcome) in leases.iter().zip(outcomes) {
         match outcome {
-            RenewOutcome::Renewed { deadline_ms } => lease.renewed(deadline_ms, sent),
+            RenewOutcome::Renewed { deadline_ms } => {
+                lease.renewed(deadline_ms, shared.config.local_deadline(sent))
+            }
             RenewOutcome::Gone => {
                 lease.mark_lost(LostReason::Expired);
             }

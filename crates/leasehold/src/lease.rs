@@ -117,14 +117,18 @@ impl LeaseInner {
     }
 
     /// Lost, or past the local deadline even if the renewal task has not noticed yet.
-    fn is_over(&self) -> bool {
+    pub(crate) fn is_over(&self) -> bool {
         self.is_lost() || Instant::now() >= self.local_deadline()
     }
 
-    /// Records a renewal acknowledged by the backend for a call sent at `sent`.
-    pub(crate) fn renewed(&self, deadline_ms: u64, sent: Instant) {
-        let local = self.quota.config.local_deadline(sent);
+    /// Records an acknowledged renewal (or `held` answer) whose call grants the holder up to
+    /// `local` (its send time + the ttl it sent − margin). A lease already past its local deadline
+    /// is not extended: it was reported lost, or is about to be, and stays so.
+    pub(crate) fn renewed(&self, deadline_ms: u64, local: Instant) {
         let mut times = self.times.lock().unwrap_or_else(|e| e.into_inner());
+        if Instant::now() >= times.local_deadline {
+            return;
+        }
         times.deadline_ms = times.deadline_ms.max(deadline_ms);
         times.local_deadline = times.local_deadline.max(local);
     }

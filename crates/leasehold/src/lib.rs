@@ -52,7 +52,7 @@ pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
 pub use backend::Backend;
 pub use breaker::{BreakerConfig, BreakerMode};
-pub use config::{BackendDownPolicy, QuotaBuilder, MAX_TTL, MIN_TTL};
+pub use config::{BackendDownPolicy, QuotaBuilder, MAX_CANCEL_MARKER_TTL, MAX_TTL, MIN_TTL};
 pub use error::{Error, LostReason, Misconfiguration, Result};
 pub use keys::{QuotaKeys, MAX_LIMIT, MAX_QUOTA_NAME_BYTES, MAX_TASK_ID_BYTES, PROTOCOL_VERSION};
 pub use lease::Lease;

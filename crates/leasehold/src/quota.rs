@@ -24,9 +24,10 @@ use crate::{admissions, heartbeat, runtime};
 ///
 /// Cheap to clone; clones share the renewal task, the waiter queue and the event subscription.
 /// One per quota and process is the normal use. Handles built separately for the same name on the
-/// same backend share what this process knows of the quota's leases: a task acquired through one
-/// of them while another holds it gets that same lease, which lives until the last handle to it
-/// is released or dropped.
+/// same backend (the same [`Backend::identity`](crate::backend::Backend::identity): one
+/// connection) share what this process knows of the quota's leases: a task acquired through one
+/// of them while another holds it gets that same lease. It ends when any of its handles
+/// releases it, or when the last of them is dropped.
 ///
 /// ```
 /// # #[tokio::main] async fn main() -> leasehold::Result<()> {
@@ -66,8 +67,12 @@ pub(crate) struct Shared {
     listening: AtomicBool,
     /// When the last subscription attempt failed, so that waiters retry it only now and then.
     subscribe_failed_at: Mutex<Option<Instant>>,
+    /// A subscription attempt started by a waiter is under way.
+    subscribing: AtomicBool,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
     pub(crate) shutdown: CancellationToken,
+    /// Wakes the renewal task for a new lease whose local deadline comes first.
+    pub(crate) alarm: Arc<heartbeat::Alarm>,
     pub(crate) breaker: Breaker,
 }
 
@@ -179,7 +184,9 @@ impl Quota {
             waiters: WaitQueue::default(),
             listening: AtomicBool::new(false),
             subscribe_failed_at: Mutex::new(None),
+            subscribing: AtomicBool::new(false),
             shutdown: CancellationToken::new(),
+            alarm: Arc::default(),
             breaker: Breaker::new(config.breaker),
             config,
         });
@@ -327,12 +334,14 @@ impl Quota {
         // Only a newcomer to an empty queue (or a task that already holds) may try at once;
         // otherwise it would overtake older waiters.
         let mut retry_after = shared.until_expiry_or_poll();
-        let try_at_once = shared.waiters.is_empty() || shared.holds(task_id);
+        let try_at_once = !shared.waiters.has_line() || shared.holds(task_id);
         // In the queue (busy) before that first attempt: a release announced while it is out
         // is kept for this waiter's next round instead of waking nobody.
-        let place = shared.waiters.join(task_id);
+        let place = match try_at_once {
+            true => shared.waiters.join_trying(task_id),
+            false => shared.waiters.join(task_id),
+        };
         if try_at_once {
-            place.attempting();
             match self.attempt(task_id).await? {
                 Attempt::Admitted(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r } => {
@@ -345,7 +354,7 @@ impl Quota {
             // The backend answers (this waiter was told "full"): if the subscription is missing
             // (the circuit was open when the wait began, or it failed or ended), try again, so
             // that releases wake this waiter rather than its polls.
-            self.ensure_listening().await;
+            self.listen_in_background();
             let sleep = if place.is_head() {
                 // At most one ttl: a refusal keeps releases announced (the `waiting` marker) only
                 // for as long as some waiter comes back within that time.
@@ -393,6 +402,22 @@ impl Quota {
     /// waiting: a late admission nobody takes is released at once.
     async fn attempt(&self, task_id: &str) -> Result<Attempt> {
         self.shared.start_attempt(task_id).outcome().await
+    }
+
+    /// Subscribes in the background when the subscription is missing: a waiter must not sit on
+    /// a slot a release won for it while a subscribe call is out.
+    fn listen_in_background(&self) {
+        if !self.shared.config.events || self.shared.listening.load(Ordering::Acquire) {
+            return;
+        }
+        if self.shared.subscribing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let quota = self.clone();
+        runtime::spawn(async move {
+            quota.ensure_listening().await;
+            quota.shared.subscribing.store(false, Ordering::Release);
+        });
     }
 
     /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
@@ -447,11 +472,7 @@ struct AttemptInFlight<'a> {
 
 impl<'a> AttemptInFlight<'a> {
     fn new(shared: &'a Shared, task_id: &'a str) -> Self {
-        let mut attempts = shared
-            .admissions
-            .attempts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut attempts = shared.admissions.attempts();
         *attempts.entry(task_id.to_owned()).or_default() += 1;
         AttemptInFlight { shared, task_id }
     }
@@ -459,12 +480,7 @@ impl<'a> AttemptInFlight<'a> {
 
 impl Drop for AttemptInFlight<'_> {
     fn drop(&mut self) {
-        let mut attempts = self
-            .shared
-            .admissions
-            .attempts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut attempts = self.shared.admissions.attempts();
         if let Some(n) = attempts.get_mut(self.task_id) {
             *n -= 1;
             if *n == 0 {
@@ -592,11 +608,7 @@ impl Shared {
         // Upgraded handles are dropped only after the guard: a last handle's drop re-enters
         // the registry (see `forget`).
         let found = {
-            let registry = self
-                .admissions
-                .registry
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let registry = self.admissions.registry();
             registry.get(task_id).and_then(Weak::upgrade)
         };
         found.filter(|l| !l.is_lost())
@@ -605,11 +617,7 @@ impl Shared {
     /// The live leases this handle admitted (and renews), in this process.
     pub(crate) fn leases(&self) -> Vec<Arc<LeaseInner>> {
         let found: Vec<_> = {
-            let registry = self
-                .admissions
-                .registry
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let registry = self.admissions.registry();
             registry.values().filter_map(Weak::upgrade).collect()
         };
         // Other handles of this quota share the registry, and renew their own leases.
@@ -621,11 +629,7 @@ impl Shared {
 
     /// Admission attempts of `task_id` under way in this process.
     fn attempts_in_flight(&self, task_id: &str) -> usize {
-        let attempts = self
-            .admissions
-            .attempts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let attempts = self.admissions.attempts();
         attempts.get(task_id).copied().unwrap_or(0)
     }
 
@@ -672,17 +676,16 @@ impl Shared {
     /// Returns a handle to the lease the backend just reported, sharing the live one of this
     /// process when it is the same admission.
     fn adopt(self: &Arc<Self>, record: &LeaseRecord, sent: Instant) -> Lease {
-        let mut registry = self
-            .admissions
-            .registry
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut registry = self.admissions.registry();
         // `live` may be the last handle of a stale admission: it is dropped only after the
         // registry is unlocked, because that drop needs the registry.
         let live = registry.get(&record.task_id).and_then(Weak::upgrade);
-        let held = live.as_ref().filter(|l| !l.is_lost());
+        // A handle past its local deadline is lost even if the renewal task has not said so
+        // yet: it is not shared, and hears it below.
+        let held = live.as_ref().filter(|l| !l.is_over());
         if let Some(same) = held.filter(|l| l.token == record.token) {
-            same.renewed(record.deadline_ms, sent);
+            // The deadline this call grants is by this handle's ttl, the one it sent.
+            same.renewed(record.deadline_ms, self.config.local_deadline(sent));
             let shared = same.clone();
             drop(registry);
             return Lease::from_inner(shared);
@@ -701,10 +704,14 @@ impl Shared {
             // The backend admitted this task again (its older lease was released or expired
             // there): the older handle is never renewed again and must hear it.
             older.mark_lost(LostReason::Superseded);
+        } else if let Some(expired) = live.as_ref().filter(|l| !l.is_lost()) {
+            // Past its local deadline, and no longer in the registry the renewal task reads.
+            expired.mark_lost(LostReason::LocalDeadline);
         }
         drop(live);
-        // The renewal task needs no wake-up: its next beat (≤ heartbeat away) comes before this
-        // lease's local deadline (ttl − margin away, and the heartbeat is shorter).
+        if !newer_held {
+            self.alarm.new_deadline(inner.local_deadline());
+        }
         Lease::from_inner(inner)
     }
 
@@ -765,11 +772,7 @@ impl Shared {
 
     /// Removes `lease` from the registry if it is the entry for its task id.
     pub(crate) fn forget(&self, lease: &LeaseInner) {
-        let mut registry = self
-            .admissions
-            .registry
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut registry = self.admissions.registry();
         if registry
             .get(&lease.task_id)
             .is_some_and(|w| std::ptr::eq(w.as_ptr(), lease))

@@ -31,6 +31,9 @@ pub(crate) struct Waiter {
     attempt: AtomicBool,
     /// True while the waiter is attempting, so further wake-ups go to the next waiter.
     busy: AtomicBool,
+    /// True during a newcomer's first attempt, made at once: it is not in line yet, so other
+    /// newcomers may try at once too.
+    newcomer: AtomicBool,
     /// An attempt the waker already started on this waiter's behalf (see `wake_one_starting`).
     started: Mutex<Option<StartedAttempt>>,
 }
@@ -57,15 +60,30 @@ impl WaitQueue {
         at.map(|at| at.saturating_duration_since(Instant::now()))
     }
 
-    /// True when nobody waits, so a newcomer may try without jumping the queue.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+    /// True when somebody waits in line (newcomers on their first attempt do not count), so a
+    /// newcomer trying at once would jump the queue.
+    pub(crate) fn has_line(&self) -> bool {
+        self.lock()
+            .iter()
+            .any(|w| !w.newcomer.load(Ordering::Acquire))
     }
 
     /// Joins the back of the queue, waiting for `task_id`.
     pub(crate) fn join(&self, task_id: &str) -> Place<'_> {
+        self.join_as(task_id, false)
+    }
+
+    /// Joins the back of the queue busy with a first attempt made at once. A slot freed while it
+    /// is out is kept for this waiter's next round rather than lost.
+    pub(crate) fn join_trying(&self, task_id: &str) -> Place<'_> {
+        self.join_as(task_id, true)
+    }
+
+    fn join_as(&self, task_id: &str, trying: bool) -> Place<'_> {
         let waiter = Arc::new(Waiter {
             task_id: task_id.to_owned(),
+            busy: AtomicBool::new(trying),
+            newcomer: AtomicBool::new(trying),
             ..Waiter::default()
         });
         self.lock().push_back(waiter.clone());
@@ -184,8 +202,9 @@ impl Place<'_> {
             .take()
     }
 
-    /// The attempt found no slot: the waiter waits again and may take wake-ups.
+    /// The attempt found no slot: the waiter waits in line and may take wake-ups.
     pub(crate) fn idle(&self) {
+        self.waiter.newcomer.store(false, Ordering::Release);
         self.waiter.busy.store(false, Ordering::Release);
     }
 }
@@ -241,6 +260,19 @@ mod tests {
             a.woken().await,
             "the head retries instead of losing the wake-up"
         );
+    }
+
+    #[test]
+    fn newcomers_on_their_first_attempt_do_not_form_a_line() {
+        let q = WaitQueue::default();
+        let a = q.join_trying("a");
+        let b = q.join_trying("b");
+        assert!(!q.has_line(), "others may still try at once");
+        a.idle(); // refused: now it waits in line
+        assert!(q.has_line());
+        drop(a);
+        drop(b);
+        assert!(!q.has_line());
     }
 
     #[tokio::test]

@@ -39,6 +39,7 @@ conformance!(
     an_abandoned_lease_holds_its_slot_until_its_deadline,
     an_older_handle_hears_when_its_task_is_admitted_again,
     a_task_acquired_again_right_after_its_drop_holds_a_live_lease,
+    acquires_made_together_with_free_slots_go_at_once,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -689,4 +690,31 @@ async fn a_task_acquired_again_right_after_its_drop_holds_a_live_lease(fx: Fixtu
             lease.is_held(),
         );
     }
+}
+
+async fn acquires_made_together_with_free_slots_go_at_once(fx: Fixture) {
+    // A long poll and ttl: a caller that queued behind the others instead of trying would wait
+    // seconds for its poll.
+    let quota = fx
+        .builder(100, Duration::from_secs(30))
+        .poll_interval(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let calls: Vec<_> = (0..16)
+        .map(|i| {
+            let quota = quota.clone();
+            tokio::spawn(async move { quota.acquire(&format!("together-{i}")).await })
+        })
+        .collect();
+    let all = async {
+        let mut leases = Vec::new();
+        for call in calls {
+            leases.push(call.await.unwrap().unwrap());
+        }
+        leases
+    };
+    let leases = tokio::time::timeout(Duration::from_secs(3), all)
+        .await
+        .expect("every caller was admitted at once, none waited for a poll");
+    assert_eq!(leases.len(), 16);
 }

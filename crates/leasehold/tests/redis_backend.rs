@@ -487,18 +487,6 @@ async fn names_with_colons_and_spaces_touch_only_their_own_keys() {
     );
 }
 
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
-fn evalsha_calls(server: &RedisServer) -> u64 {
-    let info = server
-        .command(&["INFO", "commandstats"])
-        .as_string()
-        .unwrap();
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
     let server = RedisServer::start();
@@ -511,7 +499,7 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
         .release()
         .await
         .unwrap();
-    let before = evalsha_calls(&server);
+    let before = common::evalsha_calls(&server);
 
     // 60 distinct tasks and one task id asked for 5 times, all at once.
     let ids: Vec<String> = (0..60)
@@ -541,7 +529,7 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
             (_, Err(e)) => panic!("unexpected {e:?}"),
         }
     }
-    let acquire_calls = evalsha_calls(&server) - before;
+    let acquire_calls = common::evalsha_calls(&server) - before;
     let holders = quota.status().await.unwrap().holders;
     assert_eq!(holders.len(), 10, "exactly the limit is held: {holders:?}");
     let distinct_leases: std::collections::HashSet<_> =
@@ -559,7 +547,7 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
         "{attempts} concurrent acquires took {acquire_calls} script calls"
     );
 
-    let before = evalsha_calls(&server);
+    let before = common::evalsha_calls(&server);
     let releases: Vec<_> = leases
         .into_iter()
         .map(|lease| tokio::spawn(async move { lease.release().await }))
@@ -568,7 +556,7 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
     for release in releases {
         release.await.unwrap().unwrap();
     }
-    let release_calls = evalsha_calls(&server) - before;
+    let release_calls = common::evalsha_calls(&server) - before;
     println!("{released} concurrent releases took {release_calls} script calls");
     assert!(quota.status().await.unwrap().holders.is_empty());
     assert!(release_calls <= released as u64);
@@ -970,9 +958,9 @@ async fn a_thousand_leases_cost_one_renewal_call_per_heartbeat() {
 
     // Nothing but renewals runs in this window.
     let window = Duration::from_secs(1);
-    let before = evalsha_calls(&server);
+    let before = common::evalsha_calls(&server);
     tokio::time::sleep(window).await;
-    let calls = evalsha_calls(&server) - before;
+    let calls = common::evalsha_calls(&server) - before;
     let beats = (window.as_millis() / heartbeat.as_millis()) as u64;
     println!("{calls} script calls in {window:?} renewed 1000 leases (heartbeat {heartbeat:?})");
     assert!(

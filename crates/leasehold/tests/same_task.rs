@@ -73,9 +73,7 @@ async fn memory_a_task_dropped_by_one_handle_and_acquired_by_another_holds_a_liv
 
 /// A task held through one handle and acquired again through another: both share one lease,
 /// which the first handle's drop does not end.
-async fn one_lease_shared_by_two_handles(fx: Fixture) {
-    let q1 = fx.quota(1, TTL);
-    let q2 = fx.quota(1, TTL);
+async fn one_lease_shared_by_two_handles(q1: leasehold::Quota, q2: leasehold::Quota) {
     let first = q1.try_acquire("shared").await.unwrap();
     let second = q2.try_acquire("shared").await.unwrap();
     assert_eq!(
@@ -96,12 +94,34 @@ async fn one_lease_shared_by_two_handles(fx: Fixture) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_one_lease_is_shared_by_two_handles_until_the_last_lets_go() {
-    one_lease_shared_by_two_handles(Fixture::redis().await).await
+    let fx = Fixture::redis().await;
+    one_lease_shared_by_two_handles(fx.quota(1, TTL), fx.quota(1, TTL)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_one_lease_is_shared_by_two_handles_until_the_last_lets_go() {
-    one_lease_shared_by_two_handles(Fixture::memory().await).await
+    let fx = Fixture::memory().await;
+    one_lease_shared_by_two_handles(fx.quota(1, TTL), fx.quota(1, TTL)).await
+}
+
+/// Handles built on clones of one `RedisBackend` (`.backend(redis.clone())`, each in its own
+/// `Arc`) share one connection, so they share the lease as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handles_on_clones_of_one_redis_backend_share_a_lease() {
+    let server = leasehold_testkit::RedisServer::start();
+    let redis = leasehold::RedisBackend::connect(&server.url())
+        .await
+        .unwrap();
+    let name = common::unique("clones");
+    let handle = || {
+        leasehold::Quota::builder(name.clone())
+            .limit(1)
+            .ttl(TTL)
+            .backend(redis.clone())
+            .build()
+            .unwrap()
+    };
+    one_lease_shared_by_two_handles(handle(), handle()).await
 }
 
 /// A quota whose client reaches a private redis-server through a proxy (for latency), and a

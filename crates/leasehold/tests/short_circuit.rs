@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold::{
@@ -12,34 +11,6 @@ use leasehold::{
 };
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::RedisServer;
-
-fn quota_with(
-    backend: Arc<dyn leasehold::Backend>,
-    name: &str,
-    limit: u64,
-    ttl: Duration,
-) -> leasehold::QuotaBuilder {
-    Quota::builder(name)
-        .limit(limit)
-        .ttl(ttl)
-        .shared_backend(backend)
-}
-
-async fn connect(url: &str) -> Arc<dyn leasehold::Backend> {
-    Arc::new(RedisBackend::connect(url).await.unwrap())
-}
-
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
-fn evalsha_calls(server: &RedisServer) -> u64 {
-    let info = server
-        .command(&["INFO", "commandstats"])
-        .as_string()
-        .unwrap();
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
 
 /// The short-circuit opens after `failures_to_open` consecutive failed *calls* (PROTOCOL §6.10).
 /// Attempts that share one batched script call fail together and count as one failure: otherwise
@@ -77,7 +48,7 @@ async fn one_failed_batched_call_does_not_open_the_circuit() {
         .release()
         .await
         .unwrap();
-    let before = evalsha_calls(&server);
+    let before = common::evalsha_calls(&server);
     proxy.stall(true);
     let (a, b, c) = tokio::join!(
         quota.try_acquire("a"),
@@ -92,9 +63,13 @@ async fn one_failed_batched_call_does_not_open_the_circuit() {
         "{a:?} {b:?} {c:?}"
     );
     // The held bytes reach the server on resume: count the script calls they made.
-    assert!(common::eventually(Duration::from_secs(2), || evalsha_calls(&server) > before).await);
+    assert!(
+        common::eventually(Duration::from_secs(2), || common::evalsha_calls(&server)
+            > before)
+        .await
+    );
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let calls = evalsha_calls(&server) - before;
+    let calls = common::evalsha_calls(&server) - before;
     println!(
         "three attempts went out in {calls} script call(s); breaker {:?}",
         quota.breaker_mode()
@@ -168,10 +143,10 @@ async fn one_failed_batched_call_grants_no_local_lease_once_redis_answers() {
 async fn degrade_local_share_holds_across_handles_of_one_quota() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
-    let backend = connect(&proxy.url()).await;
+    let backend = common::connect(&proxy.url()).await;
     let name = common::unique("share");
     let build = || {
-        quota_with(backend.clone(), &name, 5, Duration::from_secs(2))
+        common::quota_with(backend.clone(), &name, 5, Duration::from_secs(2))
             .when_backend_down(BackendDownPolicy::DegradeLocal { share: 1 })
             .breaker(BreakerConfig {
                 failures_to_open: 1,

@@ -7,25 +7,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leasehold::{BackendDownPolicy, BreakerConfig, BreakerMode, Error, Quota, RedisBackend};
+use leasehold::{BackendDownPolicy, BreakerConfig, BreakerMode, Error};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::RedisServer;
-
-fn quota_with(
-    backend: Arc<dyn leasehold::Backend>,
-    name: &str,
-    limit: u64,
-    ttl: Duration,
-) -> leasehold::QuotaBuilder {
-    Quota::builder(name)
-        .limit(limit)
-        .ttl(ttl)
-        .shared_backend(backend)
-}
-
-async fn connect(url: &str) -> Arc<dyn leasehold::Backend> {
-    Arc::new(RedisBackend::connect(url).await.unwrap())
-}
 
 fn waiting_marker_exists(server: &RedisServer, name: &str) -> bool {
     let key = format!("leasehold:{{{name}}}:waiting");
@@ -43,8 +27,8 @@ fn a_release_during_a_newcomers_first_attempt_wakes_it() {
     let proxy = Arc::new(FaultProxy::start(server.port()));
     let name = common::unique("first-attempt");
     let main = tokio::runtime::Runtime::new().unwrap();
-    let direct = main.block_on(connect(&server.url()));
-    let holders = quota_with(direct, &name, 1, ttl).build().unwrap();
+    let direct = main.block_on(common::connect(&server.url()));
+    let holders = common::quota_with(direct, &name, 1, ttl).build().unwrap();
     let holder = main.block_on(holders.try_acquire("holder")).unwrap();
 
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
@@ -56,8 +40,8 @@ fn a_release_during_a_newcomers_first_attempt_wakes_it() {
                 .build()
                 .unwrap()
                 .block_on(async move {
-                    let backend = connect(&proxy.url()).await;
-                    let waiters = quota_with(backend, &name, 1, ttl)
+                    let backend = common::connect(&proxy.url()).await;
+                    let waiters = common::quota_with(backend, &name, 1, ttl)
                         .poll_interval(Duration::from_secs(2))
                         .build()
                         .unwrap();
@@ -103,11 +87,11 @@ async fn a_waiter_that_started_under_an_open_circuit_hears_releases_once_redis_i
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
     let name = common::unique("unsubscribed");
-    let holders = quota_with(connect(&server.url()).await, &name, 1, ttl)
+    let holders = common::quota_with(common::connect(&server.url()).await, &name, 1, ttl)
         .build()
         .unwrap();
     let holder = holders.try_acquire("holder").await.unwrap();
-    let quota = quota_with(connect(&proxy.url()).await, &name, 1, ttl)
+    let quota = common::quota_with(common::connect(&proxy.url()).await, &name, 1, ttl)
         .poll_interval(Duration::from_secs(2))
         .when_backend_down(BackendDownPolicy::DegradeLocal { share: 1 })
         .breaker(BreakerConfig {
@@ -156,11 +140,11 @@ async fn a_release_missed_during_a_reconnect_is_rechecked_after_resubscribing() 
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
     let name = common::unique("resub");
-    let holders = quota_with(connect(&server.url()).await, &name, 1, ttl)
+    let holders = common::quota_with(common::connect(&server.url()).await, &name, 1, ttl)
         .build()
         .unwrap();
     let holder = holders.try_acquire("holder").await.unwrap();
-    let quota = quota_with(connect(&proxy.url()).await, &name, 1, ttl)
+    let quota = common::quota_with(common::connect(&proxy.url()).await, &name, 1, ttl)
         .poll_interval(Duration::from_secs(3))
         .build()
         .unwrap();
@@ -195,11 +179,11 @@ async fn dropping_every_handle_keeps_leases_working_and_releases_them() {
     let ttl = Duration::from_millis(600);
     let server = RedisServer::start();
     let name = common::unique("dropped");
-    let watcher = quota_with(connect(&server.url()).await, &name, 2, ttl)
+    let watcher = common::quota_with(common::connect(&server.url()).await, &name, 2, ttl)
         .build()
         .unwrap();
     let lease = {
-        let quota = quota_with(connect(&server.url()).await, &name, 2, ttl)
+        let quota = common::quota_with(common::connect(&server.url()).await, &name, 2, ttl)
             .build()
             .unwrap();
         let lease = quota.try_acquire("a").await.unwrap();

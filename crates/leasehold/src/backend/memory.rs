@@ -267,7 +267,7 @@ impl Backend for MemoryBackend {
         marker_ttl: Duration,
     ) -> Result<bool> {
         Ok(self.with_quota(&keys.name, |q, now| {
-            let expires = now + marker_ttl.as_millis() as u64;
+            let expires = now.saturating_add(marker_ttl.as_millis().try_into().unwrap_or(u64::MAX));
             q.cancelled
                 .insert(task_id.to_owned(), (reason.to_owned(), expires));
             let _ = q.events.send(QuotaEvent::Cancelled {

@@ -154,6 +154,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Subscribes to the quota's events. Each call returns a new receiver of one shared
     /// subscription per quota.
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>>;
+
+    /// Which connection this backend is: handles of one quota built on backends with the same
+    /// identity share what the process knows of its leases (and take turns per task id). Clones
+    /// that share one connection should return the same value, and no other live backend may
+    /// return it. The default is this value's address, so only handles given the very same
+    /// `Arc` share.
+    fn identity(&self) -> usize {
+        (self as *const Self).cast::<()>() as usize
+    }
 }
 
 /// Parses the payload of a message on a quota's channel (protocol v1, see docs/PROTOCOL.md).

@@ -559,6 +559,11 @@ impl RedisBackend {
 
 #[async_trait]
 impl Backend for RedisBackend {
+    fn identity(&self) -> usize {
+        // Clones share `inner`: one connection, one set of batches.
+        Arc::as_ptr(&self.inner).cast::<()>() as usize
+    }
+
     async fn acquire(
         &self,
         keys: &QuotaKeys,

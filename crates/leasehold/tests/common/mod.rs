@@ -122,3 +122,33 @@ macro_rules! conformance {
         }
     };
 }
+
+/// A quota builder on `backend`.
+pub fn quota_with(
+    backend: Arc<dyn Backend>,
+    name: &str,
+    limit: u64,
+    ttl: Duration,
+) -> QuotaBuilder {
+    Quota::builder(name)
+        .limit(limit)
+        .ttl(ttl)
+        .shared_backend(backend)
+}
+
+/// A new Redis client of `url`.
+pub async fn connect(url: &str) -> Arc<dyn Backend> {
+    Arc::new(RedisBackend::connect(url).await.unwrap())
+}
+
+/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
+pub fn evalsha_calls(server: &RedisServer) -> u64 {
+    let info = server
+        .command(&["INFO", "commandstats"])
+        .as_string()
+        .unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
