@@ -135,7 +135,7 @@ impl QuotaBuilder {
     /// lease ttl, so a task cancelled while it waits is refused when its turn comes. A task id
     /// cannot be admitted again while its marker lives. At least two ttls (a holder whose cancel
     /// message was lost learns it from a renewal, which may arrive up to about one ttl late) and
-    /// at most [`MAX_CANCEL_MARKER_TTL`]. Default 1 hour + ttl.
+    /// at most [`MAX_CANCEL_MARKER_TTL`]. Default 1 hour + ttl (two ttls when that is longer).
     pub fn cancel_marker_ttl(mut self, ttl: Duration) -> Self {
         self.cancel_marker_ttl = Some(ttl);
         self
@@ -236,7 +236,7 @@ impl QuotaBuilder {
             poll_interval: self.poll_interval,
             cancel_marker_ttl: self
                 .cancel_marker_ttl
-                .unwrap_or(Duration::from_secs(3600) + self.ttl),
+                .unwrap_or((Duration::from_secs(3600) + self.ttl).max(self.ttl * 2)),
             events: self.events,
             when_down: self.when_down,
             breaker: self.breaker,

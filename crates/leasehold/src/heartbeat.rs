@@ -9,14 +9,11 @@ use tokio::sync::Notify;
 use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::RenewOutcome;
+use crate::backend::{RenewOutcome, RENEW_BATCH};
 use crate::error::{Error, LostReason};
 use crate::lease::LeaseInner;
 use crate::quota::Shared;
 use crate::runtime;
-
-/// Leases renewed by one backend call (the Redis backend's largest renew script call).
-const RENEW_CHUNK: usize = 5000;
 
 /// Wakes the renewal task early when a new lease's local deadline comes before the wake-up it
 /// planned (the lease's acquire round trip already used part of its ttl).
@@ -71,7 +68,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                 // leases' local deadline, so at most about ttl / heartbeat are in flight. Past
                 // one backend call's worth of leases, the calls go out side by side, each with
                 // its own bound and its own answers.
-                for chunk in live.chunks(RENEW_CHUNK) {
+                for chunk in live.chunks(RENEW_BATCH) {
                     let shared = shared.clone();
                     let chunk = chunk.to_vec();
                     runtime::spawn(async move { renew(&shared, chunk).await });
@@ -98,9 +95,9 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
         .map(|l| (l.task_id.clone(), l.token))
         .collect();
     let sent = Instant::now();
-    // A reply is of use until the local deadline it would grant (sent + ttl − margin) has
-    // passed. Up to then a slow reply still counts: a link whose round trips outlast the
-    // heartbeat must keep its leases.
+    // The call is bounded by the local deadline it would grant (sent + ttl − margin): a link
+    // whose round trips outlast the heartbeat must keep its leases. A reply still only extends
+    // a lease whose own local deadline has not passed yet.
     let call = shared
         .backend
         .renew(&shared.keys, shared.config.ttl, &pairs);
@@ -123,7 +120,7 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
     for (lease, outcome) in leases.iter().zip(outcomes) {
         match outcome {
             RenewOutcome::Renewed { deadline_ms } => {
-                lease.renewed(deadline_ms, shared.config.local_deadline(sent))
+                lease.renewed(deadline_ms, shared.config.local_deadline(sent));
             }
             RenewOutcome::Gone => {
                 lease.mark_lost(LostReason::Expired);

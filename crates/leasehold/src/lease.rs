@@ -124,13 +124,15 @@ impl LeaseInner {
     /// Records an acknowledged renewal (or `held` answer) whose call grants the holder up to
     /// `local` (its send time + the ttl it sent − margin). A lease already past its local deadline
     /// is not extended: it was reported lost, or is about to be, and stays so.
-    pub(crate) fn renewed(&self, deadline_ms: u64, local: Instant) {
+    /// Returns whether it extended the lease.
+    pub(crate) fn renewed(&self, deadline_ms: u64, local: Instant) -> bool {
         let mut times = self.times.lock().unwrap_or_else(|e| e.into_inner());
         if Instant::now() >= times.local_deadline {
-            return;
+            return false;
         }
         times.deadline_ms = times.deadline_ms.max(deadline_ms);
         times.local_deadline = times.local_deadline.max(local);
+        true
     }
 
     /// Marks the lease lost (first reason wins); returns whether this call marked it.

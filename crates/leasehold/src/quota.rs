@@ -237,9 +237,9 @@ impl Quota {
         }
     }
 
-    /// Waits for a slot as long as it takes. Waiters in one process are served in arrival order;
-    /// they are woken by release events, by a timer to the earliest lease deadline, and by a
-    /// bounded, jittered poll in case an event was lost.
+    /// Waits for a slot as long as it takes. Waiters of one handle (and its clones) are served in
+    /// arrival order; they are woken by release events, by a timer to the earliest lease
+    /// deadline, and by a bounded, jittered poll in case an event was lost.
     ///
     /// Waiting is for a free slot, not for the backend: when the backend cannot answer, the
     /// quota's [`BackendDownPolicy`] decides at once (the default fails closed with
@@ -331,16 +331,10 @@ impl Quota {
 
     async fn wait_for_slot(&self, task_id: &str) -> Result<Lease> {
         let shared = &self.shared;
-        // Only a newcomer to an empty queue (or a task that already holds) may try at once;
-        // otherwise it would overtake older waiters.
+        // Only a newcomer when nobody waits in line (or a task that already holds) may try at
+        // once; otherwise it would overtake older waiters.
         let mut retry_after = shared.until_expiry_or_poll();
-        let try_at_once = !shared.waiters.has_line() || shared.holds(task_id);
-        // In the queue (busy) before that first attempt: a release announced while it is out
-        // is kept for this waiter's next round instead of waking nobody.
-        let place = match try_at_once {
-            true => shared.waiters.join_trying(task_id),
-            false => shared.waiters.join(task_id),
-        };
+        let (place, try_at_once) = shared.waiters.join(task_id, shared.holds(task_id));
         if try_at_once {
             match self.attempt(task_id).await? {
                 Attempt::Admitted(lease) => return Ok(lease),
@@ -417,6 +411,10 @@ impl Quota {
         runtime::spawn(async move {
             quota.ensure_listening().await;
             quota.shared.subscribing.store(false, Ordering::Release);
+            if quota.shared.listening.load(Ordering::Acquire) {
+                // Releases announced before the subscription went unheard: everyone re-checks.
+                quota.shared.recheck_all();
+            }
         });
     }
 
@@ -684,14 +682,21 @@ impl Shared {
         // yet: it is not shared, and hears it below.
         let held = live.as_ref().filter(|l| !l.is_over());
         if let Some(same) = held.filter(|l| l.token == record.token) {
-            // The deadline this call grants is by this handle's ttl, the one it sent.
-            same.renewed(record.deadline_ms, self.config.local_deadline(sent));
-            let shared = same.clone();
-            drop(registry);
-            return Lease::from_inner(shared);
+            // The deadline this call grants is by this handle's ttl, the one it sent. Refused
+            // only if the local deadline passed in between: then a new handle, as below.
+            if same.renewed(record.deadline_ms, self.config.local_deadline(sent)) {
+                let shared = same.clone();
+                drop(registry);
+                return Lease::from_inner(shared);
+            }
         }
+        let held = held.filter(|l| !l.is_over());
         let inner = Arc::new(LeaseInner::new(self.clone(), record, sent));
-        let newer_held = held.is_some_and(|l| l.token > record.token);
+        // A newer admission keeps its place even past its local deadline (it hears that from
+        // the renewal task): an older late reply never takes it over.
+        let newer_held = live
+            .as_ref()
+            .is_some_and(|l| !l.is_lost() && l.token > record.token);
         if !newer_held {
             registry.insert(record.task_id.clone(), Arc::downgrade(&inner));
         }

@@ -60,37 +60,27 @@ impl WaitQueue {
         at.map(|at| at.saturating_duration_since(Instant::now()))
     }
 
-    /// True when somebody waits in line (newcomers on their first attempt do not count), so a
-    /// newcomer trying at once would jump the queue.
-    pub(crate) fn has_line(&self) -> bool {
-        self.lock()
-            .iter()
-            .any(|w| !w.newcomer.load(Ordering::Acquire))
-    }
-
-    /// Joins the back of the queue, waiting for `task_id`.
-    pub(crate) fn join(&self, task_id: &str) -> Place<'_> {
-        self.join_as(task_id, false)
-    }
-
-    /// Joins the back of the queue busy with a first attempt made at once. A slot freed while it
-    /// is out is kept for this waiter's next round rather than lost.
-    pub(crate) fn join_trying(&self, task_id: &str) -> Place<'_> {
-        self.join_as(task_id, true)
-    }
-
-    fn join_as(&self, task_id: &str, trying: bool) -> Place<'_> {
+    /// Joins the back of the queue, waiting for `task_id`, and says whether it may try at once:
+    /// when nobody waits in line (newcomers on their first attempt do not count), or when
+    /// `skip_line` (the task already holds a lease, so trying takes no slot from anyone). One
+    /// that tries joins busy, so a slot freed while its attempt is out is kept for its next
+    /// round rather than lost.
+    pub(crate) fn join(&self, task_id: &str, skip_line: bool) -> (Place<'_>, bool) {
+        let mut queue = self.lock();
+        let trying = skip_line || queue.iter().all(|w| w.newcomer.load(Ordering::Acquire));
         let waiter = Arc::new(Waiter {
             task_id: task_id.to_owned(),
             busy: AtomicBool::new(trying),
             newcomer: AtomicBool::new(trying),
             ..Waiter::default()
         });
-        self.lock().push_back(waiter.clone());
-        Place {
+        queue.push_back(waiter.clone());
+        drop(queue);
+        let place = Place {
             queue: self,
             waiter,
-        }
+        };
+        (place, trying)
     }
 
     /// A slot may have freed: the earliest waiter not already attempting should try. If all are
@@ -100,7 +90,7 @@ impl WaitQueue {
         let chosen = queue
             .iter()
             .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire))
-            .or_else(|| queue.front());
+            .or_else(|| keeper(&queue));
         if let Some(w) = chosen {
             w.attempt.store(true, Ordering::Release);
             w.notify.notify_one();
@@ -132,9 +122,9 @@ impl WaitQueue {
                     w.notify.notify_one();
                 }
                 None => {
-                    if let Some(head) = queue.front() {
-                        head.attempt.store(true, Ordering::Release);
-                        head.notify.notify_one();
+                    if let Some(w) = keeper(&queue) {
+                        w.attempt.store(true, Ordering::Release);
+                        w.notify.notify_one();
                     }
                 }
             }
@@ -164,6 +154,16 @@ impl WaitQueue {
             head.notify.notify_one();
         }
     }
+}
+
+/// Who keeps a wake-up for their next round when every waiter is attempting: the oldest one not
+/// already keeping one (so that several releases during a round of attempts are not folded into
+/// one), else the head.
+fn keeper(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
+    queue
+        .iter()
+        .find(|w| !w.attempt.load(Ordering::Acquire))
+        .or_else(|| queue.front())
 }
 
 impl Place<'_> {
@@ -230,11 +230,18 @@ impl Drop for Place<'_> {
 mod tests {
     use super::*;
 
+    /// A waiter in line: joined, and refused once.
+    fn in_line(q: &WaitQueue) -> Place<'_> {
+        let (place, _) = q.join("t", false);
+        place.idle();
+        place
+    }
+
     #[tokio::test]
     async fn wake_one_goes_to_the_oldest_idle_waiter() {
         let q = WaitQueue::default();
-        let a = q.join("t");
-        let b = q.join("t");
+        let a = in_line(&q);
+        let b = in_line(&q);
         assert!(a.is_head() && !b.is_head());
         q.wake_one();
         assert!(a.woken().await, "the oldest waiter is asked to attempt");
@@ -251,7 +258,7 @@ mod tests {
     #[tokio::test]
     async fn wake_ups_while_all_are_busy_are_kept_by_the_head() {
         let q = WaitQueue::default();
-        let a = q.join("t");
+        let a = in_line(&q);
         q.wake_one();
         assert!(a.woken().await);
         q.wake_one(); // arrives while `a` attempts
@@ -265,21 +272,43 @@ mod tests {
     #[test]
     fn newcomers_on_their_first_attempt_do_not_form_a_line() {
         let q = WaitQueue::default();
-        let a = q.join_trying("a");
-        let b = q.join_trying("b");
-        assert!(!q.has_line(), "others may still try at once");
+        let (a, a_tries) = q.join("a", false);
+        let (b, b_tries) = q.join("b", false);
+        assert!(a_tries && b_tries, "nobody in line: both try at once");
         a.idle(); // refused: now it waits in line
-        assert!(q.has_line());
-        drop(a);
-        drop(b);
-        assert!(!q.has_line());
+        let (c, c_tries) = q.join("c", false);
+        assert!(!c_tries, "behind a waiter in line");
+        let (_d, d_tries) = q.join("d", true);
+        assert!(d_tries, "a task that holds may always try");
+        drop((a, b, c));
+    }
+
+    #[tokio::test]
+    async fn wake_ups_while_all_attempt_are_kept_by_several_waiters() {
+        let q = WaitQueue::default();
+        let (a, _) = q.join("a", false);
+        let (b, _) = q.join("b", false);
+        // Two releases while both newcomers are out on their first attempt.
+        q.wake_one();
+        q.wake_one();
+        a.idle();
+        b.idle();
+        let within = |f| tokio::time::timeout(Duration::from_secs(1), f);
+        assert!(
+            matches!(within(a.woken()).await, Ok(true)),
+            "the first keeps one"
+        );
+        assert!(
+            matches!(within(b.woken()).await, Ok(true)),
+            "and the second the other"
+        );
     }
 
     #[tokio::test]
     async fn an_unused_wake_up_is_passed_on() {
         let q = WaitQueue::default();
-        let a = q.join("t");
-        let b = q.join("t");
+        let a = in_line(&q);
+        let b = in_line(&q);
         q.wake_one();
         drop(a); // leaves (timeout) holding an unused wake-up
         assert!(b.woken().await);

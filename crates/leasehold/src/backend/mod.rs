@@ -108,6 +108,9 @@ pub enum QuotaEvent {
     Resubscribed,
 }
 
+/// Most leases in one renewal call; more are split so one script never blocks Redis long.
+pub(crate) const RENEW_BATCH: usize = 5000;
+
 /// Storage for leases. Every method is one atomic step on the backend; times come from the
 /// backend's clock, never the caller's.
 #[async_trait]

@@ -16,7 +16,7 @@ use redis::{Script, ServerErrorKind, Value};
 use tokio::sync::{broadcast, mpsc};
 
 use super::batch::Batcher;
-use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, Snapshot};
+use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, Snapshot, RENEW_BATCH};
 use crate::error::{Error, Misconfiguration, Result};
 use crate::keys::QuotaKeys;
 use crate::runtime;
@@ -103,9 +103,6 @@ struct Epochs {
     /// learned the new epoch first.
     confirmed: String,
 }
-
-/// Most leases sent in one renewal call; more are split so one script never blocks Redis long.
-const RENEW_BATCH: usize = 5000;
 
 /// Most admission attempts, or releases, sent in one script call. A full batch runs in well under
 /// a millisecond of Redis time.
@@ -608,7 +605,8 @@ impl Backend for RedisBackend {
         leases: &[(String, u64)],
     ) -> Result<Vec<RenewOutcome>> {
         // Every batch carries the same epoch: a first batch that learns of a loss must not
-        // keep the later ones from re-registering.
+        // keep the later ones from re-registering. (The renewal task sends at most one batch
+        // per call, its calls side by side from one runtime turn, so they read the same epoch.)
         let epoch = self.epochs(&keys.name).confirmed;
         let mut outcomes = Vec::with_capacity(leases.len());
         let mut latest = None;
