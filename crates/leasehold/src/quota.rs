@@ -408,13 +408,11 @@ impl Quota {
             return;
         }
         let quota = self.clone();
+        // Releases announced before the subscription went unheard; the backend's confirmation
+        // of the subscription (`Resubscribed`) makes every waiter re-check.
         runtime::spawn(async move {
             quota.ensure_listening().await;
             quota.shared.subscribing.store(false, Ordering::Release);
-            if quota.shared.listening.load(Ordering::Acquire) {
-                // Releases announced before the subscription went unheard: everyone re-checks.
-                quota.shared.recheck_all();
-            }
         });
     }
 
@@ -692,11 +690,10 @@ impl Shared {
         }
         let held = held.filter(|l| !l.is_over());
         let inner = Arc::new(LeaseInner::new(self.clone(), record, sent));
-        // A newer admission keeps its place even past its local deadline (it hears that from
-        // the renewal task): an older late reply never takes it over.
-        let newer_held = live
-            .as_ref()
-            .is_some_and(|l| !l.is_lost() && l.token > record.token);
+        // A newer admission still held keeps its place: an older late reply never takes it over.
+        // One past its local deadline does not (tokens restart after a dataset loss, so a fresh
+        // admission may carry a lower token).
+        let newer_held = held.is_some_and(|l| l.token > record.token);
         if !newer_held {
             registry.insert(record.task_id.clone(), Arc::downgrade(&inner));
         }

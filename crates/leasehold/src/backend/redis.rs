@@ -606,7 +606,9 @@ impl Backend for RedisBackend {
     ) -> Result<Vec<RenewOutcome>> {
         // Every batch carries the same epoch: a first batch that learns of a loss must not
         // keep the later ones from re-registering. (The renewal task sends at most one batch
-        // per call, its calls side by side from one runtime turn, so they read the same epoch.)
+        // per call, its calls side by side; a call that reads the epoch after another's answer
+        // moved it finds its forgotten leases gone instead of re-registered, and they stop at
+        // once, which is safe.)
         let epoch = self.epochs(&keys.name).confirmed;
         let mut outcomes = Vec::with_capacity(leases.len());
         let mut latest = None;
