@@ -169,13 +169,9 @@ impl LeaseInner {
             *self.lost.borrow(),
             Some(LostReason::Released | LostReason::LocalDeadline | LostReason::Cancelled(_))
         );
-        // A newer handle of this same admission (a re-acquire after this one was lost locally)
-        // owns the slot now: releasing it would free the slot under that handle.
-        let successor = self
-            .quota
-            .lease(&self.task_id)
-            .is_some_and(|other| other.token == self.token && !std::ptr::eq(&*other, self));
-        may_be_held && !successor && !self.release_sent.swap(true, Ordering::AcqRel)
+        // Whether another handle of this same admission owns the slot now is settled when the
+        // release gets its task's turn (`Shared::release_in_backend`).
+        may_be_held && !self.release_sent.swap(true, Ordering::AcqRel)
     }
 
     /// A release call failed: a later `release` may try again.

@@ -84,16 +84,11 @@ impl WaitQueue {
     }
 
     /// A slot may have freed: the earliest waiter not already attempting should try. If all are
-    /// attempting, the head gets the wake-up for its next round so none is lost.
+    /// attempting, one keeps the wake-up for its next round (see [`keeper`]) so none is lost.
     pub(crate) fn wake_one(&self) {
         let queue = self.lock();
-        let chosen = queue
-            .iter()
-            .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire))
-            .or_else(|| keeper(&queue));
-        if let Some(w) = chosen {
-            w.attempt.store(true, Ordering::Release);
-            w.notify.notify_one();
+        if let Some(w) = idle(&queue).or_else(|| keeper(&queue)) {
+            w.ask();
         }
     }
 
@@ -108,25 +103,15 @@ impl WaitQueue {
         let mut replaced = None;
         {
             let queue = self.lock();
-            let idle = queue
-                .iter()
-                .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire));
-            match idle {
-                Some(w) => {
-                    replaced = w
-                        .started
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .replace(start(&w.task_id));
-                    w.attempt.store(true, Ordering::Release);
-                    w.notify.notify_one();
-                }
-                None => {
-                    if let Some(w) = keeper(&queue) {
-                        w.attempt.store(true, Ordering::Release);
-                        w.notify.notify_one();
-                    }
-                }
+            if let Some(w) = idle(&queue) {
+                replaced = w
+                    .started
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .replace(start(&w.task_id));
+                w.ask();
+            } else if let Some(w) = keeper(&queue) {
+                w.ask();
             }
         }
         drop(replaced);
@@ -135,16 +120,14 @@ impl WaitQueue {
     /// Something may have been missed (lagging events, a resubscription): everyone re-checks.
     pub(crate) fn wake_all(&self) {
         for w in self.lock().iter() {
-            w.attempt.store(true, Ordering::Release);
-            w.notify.notify_one();
+            w.ask();
         }
     }
 
     /// The waiters for `task_id` re-check (the task was cancelled); the others keep their turn.
     pub(crate) fn wake_task(&self, task_id: &str) {
         for w in self.lock().iter().filter(|w| w.task_id == task_id) {
-            w.attempt.store(true, Ordering::Release);
-            w.notify.notify_one();
+            w.ask();
         }
     }
 
@@ -154,6 +137,21 @@ impl WaitQueue {
             head.notify.notify_one();
         }
     }
+}
+
+impl Waiter {
+    /// Asks this waiter to attempt (now, or after the attempt it is making).
+    fn ask(&self) {
+        self.attempt.store(true, Ordering::Release);
+        self.notify.notify_one();
+    }
+}
+
+/// The earliest waiter neither attempting nor already asked to.
+fn idle(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
+    queue
+        .iter()
+        .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire))
 }
 
 /// Who keeps a wake-up for their next round when every waiter is attempting: the oldest one not
