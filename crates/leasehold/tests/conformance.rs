@@ -70,14 +70,7 @@ async fn double_release_frees_one_slot_only(fx: Fixture) {
         .await
         .unwrap();
     assert!(!again, "a third, late release removes nothing");
-    let holders: Vec<String> = quota
-        .status()
-        .await
-        .unwrap()
-        .holders
-        .into_iter()
-        .map(|h| h.task_id)
-        .collect();
+    let holders = common::holder_ids(&quota).await;
     assert_eq!(holders.len(), 2);
     assert!(holders.contains(&"b".into()) && holders.contains(&"c".into()));
     let _d = quota.try_acquire("d").await.unwrap();

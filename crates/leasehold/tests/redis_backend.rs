@@ -344,13 +344,7 @@ async fn a_retry_after_a_timed_out_acquire_keeps_the_slot_the_late_reply_took() 
     let ttl = Duration::from_secs(30);
     let quota = quota_on(&server, "retry", 1, ttl).await;
     let other = quota_on(&server, "retry", 1, ttl).await;
-    quota
-        .try_acquire("warm")
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    common::warm_up(&quota).await;
     server.pause(); // the first attempt's reply will come late
     let err = quota
         .acquire_timeout("t", Duration::from_millis(100))
@@ -499,7 +493,7 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
         .release()
         .await
         .unwrap();
-    let before = common::evalsha_calls(&server);
+    let before = common::calls_of(&server, "evalsha");
 
     // 60 distinct tasks and one task id asked for 5 times, all at once.
     let ids: Vec<String> = (0..60)
@@ -529,7 +523,7 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
             (_, Err(e)) => panic!("unexpected {e:?}"),
         }
     }
-    let acquire_calls = common::evalsha_calls(&server) - before;
+    let acquire_calls = common::calls_of(&server, "evalsha") - before;
     let holders = quota.status().await.unwrap().holders;
     assert_eq!(holders.len(), 10, "exactly the limit is held: {holders:?}");
     let distinct_leases: std::collections::HashSet<_> =
@@ -547,7 +541,7 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
         "{attempts} concurrent acquires took {acquire_calls} script calls"
     );
 
-    let before = common::evalsha_calls(&server);
+    let before = common::calls_of(&server, "evalsha");
     let releases: Vec<_> = leases
         .into_iter()
         .map(|lease| tokio::spawn(async move { lease.release().await }))
@@ -556,7 +550,7 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
     for release in releases {
         release.await.unwrap().unwrap();
     }
-    let release_calls = common::evalsha_calls(&server) - before;
+    let release_calls = common::calls_of(&server, "evalsha") - before;
     println!("{released} concurrent releases took {release_calls} script calls");
     assert!(quota.status().await.unwrap().holders.is_empty());
     assert!(release_calls <= released as u64);
@@ -628,16 +622,7 @@ fn one_script_call_for_many_tasks_answers_like_calls_in_a_row() {
         args.extend(pairs);
         ints(&server.command(&args))
     };
-    let published = || {
-        let info = server
-            .command(&["INFO", "commandstats"])
-            .as_string()
-            .unwrap();
-        info.lines()
-            .find_map(|line| line.strip_prefix("cmdstat_publish:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .map_or(0, |n| n.parse::<u64>().unwrap())
-    };
+    let published = || common::calls_of(&server, "publish");
 
     server.command(&["SET", &k("cancel:cancelled"), "stop"]);
     let reply = acquire(&["a", "b", "a", "c", "cancelled"]);
@@ -958,9 +943,9 @@ async fn a_thousand_leases_cost_one_renewal_call_per_heartbeat() {
 
     // Nothing but renewals runs in this window.
     let window = Duration::from_secs(1);
-    let before = common::evalsha_calls(&server);
+    let before = common::calls_of(&server, "evalsha");
     tokio::time::sleep(window).await;
-    let calls = common::evalsha_calls(&server) - before;
+    let calls = common::calls_of(&server, "evalsha") - before;
     let beats = (window.as_millis() / heartbeat.as_millis()) as u64;
     println!("{calls} script calls in {window:?} renewed 1000 leases (heartbeat {heartbeat:?})");
     assert!(

@@ -4,10 +4,9 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leasehold::{Backend, Error, LostReason, MemoryBackend, Quota, RedisBackend, RedisOptions};
+use leasehold::{Error, LostReason, MemoryBackend, Quota};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::RedisServer;
 
@@ -18,21 +17,15 @@ use leasehold_testkit::RedisServer;
 async fn a_held_reply_through_a_shorter_ttl_handle_does_not_stretch_the_local_deadline() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
-    let backend: Arc<dyn Backend> = Arc::new(RedisBackend::connect(&proxy.url()).await.unwrap());
+    let backend = common::connect(&proxy.url()).await;
     let name = common::unique("mixttl");
-    let long = Quota::builder(name.clone())
-        .limit(1)
-        .ttl(Duration::from_secs(3))
+    let long = common::quota_with(backend.clone(), &name, 1, Duration::from_secs(3))
         .heartbeat(Duration::from_millis(2800))
         .events(false)
-        .shared_backend(backend.clone())
         .build()
         .unwrap();
-    let short = Quota::builder(name.clone())
-        .limit(1)
-        .ttl(Duration::from_millis(500))
+    let short = common::quota_with(backend, &name, 1, Duration::from_millis(500))
         .events(false)
-        .shared_backend(backend.clone())
         .build()
         .unwrap();
     let lease = long.try_acquire("a").await.unwrap();
@@ -47,13 +40,15 @@ async fn a_held_reply_through_a_shorter_ttl_handle_does_not_stretch_the_local_de
     proxy.stall(true);
 
     // Another process, straight to the server.
-    let direct = Quota::builder(name.clone())
-        .limit(1)
-        .ttl(Duration::from_secs(3))
-        .events(false)
-        .backend(RedisBackend::connect(&server.url()).await.unwrap())
-        .build()
-        .unwrap();
+    let direct = common::quota_with(
+        common::connect(&server.url()).await,
+        &name,
+        1,
+        Duration::from_secs(3),
+    )
+    .events(false)
+    .build()
+    .unwrap();
     let status = direct.status().await.unwrap();
     let holder = status.holders.iter().find(|h| h.task_id == "a").unwrap();
     let server_left = holder.deadline.duration_since(status.now).unwrap();
@@ -83,13 +78,7 @@ async fn a_held_reply_through_a_shorter_ttl_handle_does_not_stretch_the_local_de
 async fn lost_fires_at_the_local_deadline_of_a_lease_adopted_between_beats() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
-    let options = RedisOptions {
-        call_timeout: Duration::from_secs(2),
-        ..RedisOptions::default()
-    };
-    let backend = RedisBackend::connect_with(&proxy.url(), options)
-        .await
-        .unwrap();
+    let backend = common::connect_with_call_timeout(&proxy.url(), Duration::from_secs(2)).await;
     let quota = Quota::builder(common::unique("late-lost"))
         .limit(50)
         .ttl(Duration::from_secs(1))
@@ -136,13 +125,7 @@ async fn lost_fires_at_the_local_deadline_of_a_lease_adopted_between_beats() {
 async fn a_renewal_split_in_batches_keeps_what_the_first_batch_learned() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
-    let options = RedisOptions {
-        call_timeout: Duration::from_secs(3),
-        ..RedisOptions::default()
-    };
-    let backend = RedisBackend::connect_with(&proxy.url(), options)
-        .await
-        .unwrap();
+    let backend = common::connect_with_call_timeout(&proxy.url(), Duration::from_secs(3)).await;
     let name = common::unique("split");
     let quota = Quota::builder(name.clone())
         .limit(10_000)

@@ -6,11 +6,55 @@ mod common;
 
 use std::time::Duration;
 
-use leasehold::{
-    BackendDownPolicy, BreakerConfig, BreakerMode, Error, Quota, RedisBackend, RedisOptions,
-};
+use leasehold::{BackendDownPolicy, BreakerConfig, BreakerMode, Error, Lease, Quota};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::RedisServer;
+
+/// A quota (limit 10, a breaker that opens after 3 failures) on a private redis-server reached
+/// through a proxy, with 300 ms call timeouts, warmed up.
+struct Proxied {
+    server: RedisServer,
+    proxy: FaultProxy,
+    quota: Quota,
+}
+
+impl Proxied {
+    async fn start(policy: BackendDownPolicy) -> Proxied {
+        let server = RedisServer::start();
+        let proxy = FaultProxy::start(server.port());
+        let backend =
+            common::connect_with_call_timeout(&proxy.url(), Duration::from_millis(300)).await;
+        let quota = Quota::builder(common::unique("batched"))
+            .limit(10)
+            .ttl(Duration::from_secs(2))
+            .when_backend_down(policy)
+            .breaker(BreakerConfig {
+                failures_to_open: 3,
+                cool_down: Duration::from_secs(5),
+            })
+            .backend(backend)
+            .build()
+            .unwrap();
+        common::warm_up(&quota).await;
+        Proxied {
+            server,
+            proxy,
+            quota,
+        }
+    }
+
+    /// Three acquires made together while the link stalls: one batched call, which times out.
+    async fn three_acquires_through_a_stall(&self) -> [leasehold::Result<Lease>; 3] {
+        self.proxy.stall(true);
+        let (a, b, c) = tokio::join!(
+            self.quota.try_acquire("a"),
+            self.quota.try_acquire("b"),
+            self.quota.try_acquire("c")
+        );
+        self.proxy.stall(false);
+        [a, b, c]
+    }
+}
 
 /// The short-circuit opens after `failures_to_open` consecutive failed *calls* (PROTOCOL §6.10).
 /// Attempts that share one batched script call fail together and count as one failure: otherwise
@@ -18,58 +62,25 @@ use leasehold_testkit::RedisServer;
 /// healthy and the quota has free slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_failed_batched_call_does_not_open_the_circuit() {
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.port());
-    let backend = RedisBackend::connect_with(
-        &proxy.url(),
-        RedisOptions {
-            call_timeout: Duration::from_millis(300),
-            ..RedisOptions::default()
-        },
-    )
-    .await
-    .unwrap();
-    let name = common::unique("one-call");
-    let quota = Quota::builder(name)
-        .limit(10)
-        .ttl(Duration::from_secs(2))
-        .when_backend_down(BackendDownPolicy::FailClosed)
-        .breaker(BreakerConfig {
-            failures_to_open: 3,
-            cool_down: Duration::from_secs(5),
-        })
-        .backend(backend)
-        .build()
-        .unwrap();
-    quota
-        .try_acquire("warm")
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
-    let before = common::evalsha_calls(&server);
-    proxy.stall(true);
-    let (a, b, c) = tokio::join!(
-        quota.try_acquire("a"),
-        quota.try_acquire("b"),
-        quota.try_acquire("c")
-    );
-    proxy.stall(false);
+    let px = Proxied::start(BackendDownPolicy::FailClosed).await;
+    let (server, quota) = (&px.server, &px.quota);
+    let before = common::calls_of(server, "evalsha");
+    let results = px.three_acquires_through_a_stall().await;
     assert!(
-        [&a, &b, &c]
+        results
             .iter()
             .all(|r| matches!(r, Err(Error::BackendUnavailable(_)))),
-        "{a:?} {b:?} {c:?}"
+        "{results:?}"
     );
     // The held bytes reach the server on resume: count the script calls they made.
     assert!(
-        common::eventually(Duration::from_secs(2), || common::evalsha_calls(&server)
-            > before)
+        common::eventually(Duration::from_secs(2), || common::calls_of(
+            server, "evalsha"
+        ) > before)
         .await
     );
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let calls = common::evalsha_calls(&server) - before;
+    let calls = common::calls_of(server, "evalsha") - before;
     println!(
         "three attempts went out in {calls} script call(s); breaker {:?}",
         quota.breaker_mode()
@@ -90,50 +101,15 @@ async fn one_failed_batched_call_does_not_open_the_circuit() {
 /// Same as above, with FailOpen: the consequence is a local lease, uncounted by Redis.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_failed_batched_call_grants_no_local_lease_once_redis_answers() {
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.port());
-    let backend = RedisBackend::connect_with(
-        &proxy.url(),
-        RedisOptions {
-            call_timeout: Duration::from_millis(300),
-            ..RedisOptions::default()
-        },
-    )
-    .await
-    .unwrap();
-    let quota = Quota::builder(common::unique("fail-open"))
-        .limit(10)
-        .ttl(Duration::from_secs(2))
-        .when_backend_down(BackendDownPolicy::FailOpen)
-        .breaker(BreakerConfig {
-            failures_to_open: 3,
-            cool_down: Duration::from_secs(5),
-        })
-        .backend(backend)
-        .build()
-        .unwrap();
-    quota
-        .try_acquire("warm")
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
-    proxy.stall(true);
-    let (a, b, c) = tokio::join!(
-        quota.try_acquire("a"),
-        quota.try_acquire("b"),
-        quota.try_acquire("c")
-    );
-    proxy.stall(false);
+    let px = Proxied::start(BackendDownPolicy::FailOpen).await;
     // Local leases for the three, by policy (their one call failed): fine.
-    drop((a, b, c));
+    drop(px.three_acquires_through_a_stall().await);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let d = quota.try_acquire("d").await.unwrap();
+    let d = px.quota.try_acquire("d").await.unwrap();
     assert!(
         !d.is_local(),
         "Redis answers and has 7+ free slots, yet `d` got a local lease (breaker {:?})",
-        quota.breaker_mode()
+        px.quota.breaker_mode()
     );
 }
 

@@ -16,6 +16,40 @@ fn waiting_marker_exists(server: &RedisServer, name: &str) -> bool {
     server.command(&["EXISTS", &key]).as_int() == Some(1)
 }
 
+/// A quota of limit 1 on a private redis-server whose slot `holder` holds through a direct
+/// client, and a client of the same server through `proxy`, for the waiter under test.
+struct Held {
+    server: RedisServer,
+    proxy: FaultProxy,
+    name: String,
+    holder: leasehold::Lease,
+    _holders: leasehold::Quota,
+}
+
+impl Held {
+    async fn start(prefix: &str, ttl: Duration) -> Held {
+        let server = RedisServer::start();
+        let proxy = FaultProxy::start(server.port());
+        let name = common::unique(prefix);
+        let holders = common::quota_with(common::connect(&server.url()).await, &name, 1, ttl)
+            .build()
+            .unwrap();
+        let holder = holders.try_acquire("holder").await.unwrap();
+        Held {
+            server,
+            proxy,
+            name,
+            holder,
+            _holders: holders,
+        }
+    }
+
+    /// A quota builder for the waiter's client, through the proxy.
+    async fn waiter_quota(&self, ttl: Duration) -> leasehold::QuotaBuilder {
+        common::quota_with(common::connect(&self.proxy.url()).await, &self.name, 1, ttl)
+    }
+}
+
 /// A release announced while a newcomer's first attempt is out (its `full` reply on the way
 /// back) must wake that newcomer, not nobody: otherwise it sleeps a whole poll (or expiry hint)
 /// with the slot free. The window is widened here by a busy application runtime (which leasehold
@@ -84,14 +118,11 @@ fn a_release_during_a_newcomers_first_attempt_wakes_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_that_started_under_an_open_circuit_hears_releases_once_redis_is_back() {
     let ttl = Duration::from_secs(10);
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.port());
-    let name = common::unique("unsubscribed");
-    let holders = common::quota_with(common::connect(&server.url()).await, &name, 1, ttl)
-        .build()
-        .unwrap();
-    let holder = holders.try_acquire("holder").await.unwrap();
-    let quota = common::quota_with(common::connect(&proxy.url()).await, &name, 1, ttl)
+    let held = Held::start("unsubscribed", ttl).await;
+    let (server, proxy, name, holder) = (&held.server, &held.proxy, &held.name, &held.holder);
+    let quota = held
+        .waiter_quota(ttl)
+        .await
         .poll_interval(Duration::from_secs(2))
         .when_backend_down(BackendDownPolicy::DegradeLocal { share: 1 })
         .breaker(BreakerConfig {
@@ -113,7 +144,7 @@ async fn a_waiter_that_started_under_an_open_circuit_hears_releases_once_redis_i
     server.command(&["DEL", &format!("leasehold:{{{name}}}:waiting")]);
     assert!(
         common::eventually(Duration::from_secs(5), || waiting_marker_exists(
-            &server, &name
+            server, name
         ))
         .await,
         "the waiter never reached Redis"
@@ -143,14 +174,11 @@ async fn a_waiter_that_started_under_an_open_circuit_hears_releases_once_redis_i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_missed_during_a_reconnect_is_rechecked_after_resubscribing() {
     let ttl = Duration::from_secs(10);
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.port());
-    let name = common::unique("resub");
-    let holders = common::quota_with(common::connect(&server.url()).await, &name, 1, ttl)
-        .build()
-        .unwrap();
-    let holder = holders.try_acquire("holder").await.unwrap();
-    let quota = common::quota_with(common::connect(&proxy.url()).await, &name, 1, ttl)
+    let held = Held::start("resub", ttl).await;
+    let (server, proxy, name, holder) = (&held.server, &held.proxy, &held.name, &held.holder);
+    let quota = held
+        .waiter_quota(ttl)
+        .await
         .poll_interval(Duration::from_secs(3))
         .build()
         .unwrap();
@@ -160,7 +188,7 @@ async fn a_release_missed_during_a_reconnect_is_rechecked_after_resubscribing() 
     };
     assert!(
         common::eventually(Duration::from_secs(2), || waiting_marker_exists(
-            &server, &name
+            server, name
         ))
         .await
     );
@@ -202,15 +230,7 @@ async fn dropping_every_handle_keeps_leases_working_and_releases_them() {
     // Past two ttls: still renewed.
     tokio::time::sleep(ttl * 2).await;
     assert!(lease.is_held(), "{:?}", lease.lost_reason());
-    let held: Vec<_> = watcher
-        .status()
-        .await
-        .unwrap()
-        .holders
-        .into_iter()
-        .map(|h| h.task_id)
-        .collect();
-    assert_eq!(held, vec!["a".to_string()]);
+    assert_eq!(common::holder_ids(&watcher).await, vec!["a".to_string()]);
     drop(lease);
     assert!(
         common::eventually(Duration::from_millis(300), || {

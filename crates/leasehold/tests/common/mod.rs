@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leasehold::{Backend, MemoryBackend, Quota, QuotaBuilder, QuotaKeys, RedisBackend};
+use leasehold::{
+    Backend, MemoryBackend, Quota, QuotaBuilder, QuotaKeys, RedisBackend, RedisOptions,
+};
 use leasehold_testkit::RedisServer;
 
 /// A backend for one test, and the server behind it if any.
@@ -141,14 +143,42 @@ pub async fn connect(url: &str) -> Arc<dyn Backend> {
     Arc::new(RedisBackend::connect(url).await.unwrap())
 }
 
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
-pub fn evalsha_calls(server: &RedisServer) -> u64 {
+/// A new Redis client of `url` whose calls time out after `call_timeout`.
+pub async fn connect_with_call_timeout(url: &str, call_timeout: Duration) -> RedisBackend {
+    let options = RedisOptions {
+        call_timeout,
+        ..RedisOptions::default()
+    };
+    RedisBackend::connect_with(url, options).await.unwrap()
+}
+
+/// How many times the server ran `command` (lower case, e.g. `evalsha`), from `INFO
+/// commandstats`.
+pub fn calls_of(server: &RedisServer, command: &str) -> u64 {
     let info = server
         .command(&["INFO", "commandstats"])
         .as_string()
         .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
     info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|line| line.strip_prefix(prefix.as_str()))
         .and_then(|rest| rest.split(',').next())
         .map_or(0, |n| n.parse().unwrap())
+}
+
+/// One acquire and release, so that the scripts are loaded and the events subscribed.
+pub async fn warm_up(quota: &Quota) {
+    quota
+        .try_acquire("warm")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+}
+
+/// The task ids that hold a lease of `quota`, from the backend.
+pub async fn holder_ids(quota: &Quota) -> Vec<String> {
+    let holders = quota.status().await.unwrap().holders;
+    holders.into_iter().map(|h| h.task_id).collect()
 }
