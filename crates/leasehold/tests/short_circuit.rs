@@ -43,7 +43,8 @@ impl Proxied {
         }
     }
 
-    /// Three acquires made together while the link stalls: one batched call, which times out.
+    /// Three acquires made together while the link stalls: their call (or calls, all under way
+    /// together) times out.
     async fn three_acquires_through_a_stall(&self) -> [leasehold::Result<Lease>; 3] {
         self.proxy.stall(true);
         let (a, b, c) = tokio::join!(
@@ -56,12 +57,14 @@ impl Proxied {
     }
 }
 
-/// The short-circuit opens after `failures_to_open` consecutive failed *calls* (PROTOCOL §6.10).
-/// Attempts that share one batched script call fail together and count as one failure: otherwise
+/// The short-circuit opens after `failures_to_open` consecutive *rounds* of failed calls
+/// (PROTOCOL §6.10). Attempts that fail together count as one failure, whether they shared one
+/// batched script call or went out in calls that were all under way when the first failure was
+/// seen (the batcher's leasehold-runtime thread may take the queue between two of them): else
 /// one lost reply would open the circuit, and FailOpen would grant local leases while Redis is
 /// healthy and the quota has free slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_failed_batched_call_does_not_open_the_circuit() {
+async fn attempts_failing_together_do_not_open_the_circuit() {
     let px = Proxied::start(BackendDownPolicy::FailClosed).await;
     let (server, quota) = (&px.server, &px.quota);
     let before = common::calls_of(server, "evalsha");
@@ -85,14 +88,16 @@ async fn one_failed_batched_call_does_not_open_the_circuit() {
         "three attempts went out in {calls} script call(s); breaker {:?}",
         quota.breaker_mode()
     );
-    assert_eq!(
-        calls, 1,
-        "the attempts did not share a call; the test proves nothing"
+    // Three failed attempts would open a circuit that counted attempts; three failed calls, one
+    // that counted calls. Anything outside 1..=3 means the stall did not catch the attempts.
+    assert!(
+        (1..=3).contains(&calls),
+        "three attempts went out in {calls} calls; the test proves nothing"
     );
     assert_eq!(
         quota.breaker_mode(),
         BreakerMode::Closed,
-        "one failed call (carrying three attempts) opened the circuit"
+        "three attempts failing together ({calls} call(s)) opened the circuit"
     );
     let after = quota.try_acquire("d").await;
     assert!(after.is_ok(), "Redis answers again, yet: {after:?}");
@@ -100,7 +105,7 @@ async fn one_failed_batched_call_does_not_open_the_circuit() {
 
 /// Same as above, with FailOpen: the consequence is a local lease, uncounted by Redis.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_failed_batched_call_grants_no_local_lease_once_redis_answers() {
+async fn attempts_failing_together_grant_no_local_lease_once_redis_answers() {
     let px = Proxied::start(BackendDownPolicy::FailOpen).await;
     // Local leases for the three, by policy (their one call failed): fine.
     drop(px.three_acquires_through_a_stall().await);
