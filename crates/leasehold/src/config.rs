@@ -177,6 +177,21 @@ impl QuotaBuilder {
 
     /// Checks the settings and returns the quota. Makes no backend call.
     pub fn build(self) -> Result<Quota> {
+        let (keys, config) = self.settings()?;
+        let backend = self
+            .backend
+            .unwrap_or_else(|| EMBEDDED.clone() as Arc<dyn Backend>);
+        Ok(Quota::start(keys, config, backend))
+    }
+
+    /// Checks the settings without building anything: what [`build`](Self::build) would
+    /// reject, it rejects with the same error. Useful to refuse bad input before connecting to
+    /// a backend.
+    pub fn check(&self) -> Result<()> {
+        self.settings().map(drop)
+    }
+
+    fn settings(&self) -> Result<(QuotaKeys, QuotaConfig)> {
         let keys = QuotaKeys::new(&self.name)?;
         let limit = validate_limit(self.limit.ok_or(Misconfiguration::InvalidLimit(0))?)?;
         let timing = |why: String| Misconfiguration::InvalidTiming(why);
@@ -225,9 +240,6 @@ impl QuotaBuilder {
         if self.poll_interval < Duration::from_millis(1) {
             return Err(timing("poll interval must be at least 1 ms".into()).into());
         }
-        let backend = self
-            .backend
-            .unwrap_or_else(|| EMBEDDED.clone() as Arc<dyn Backend>);
         let config = QuotaConfig {
             limit,
             ttl: self.ttl,
@@ -241,7 +253,7 @@ impl QuotaBuilder {
             when_down: self.when_down,
             breaker: self.breaker,
         };
-        Ok(Quota::start(keys, config, backend))
+        Ok((keys, config))
     }
 }
 
@@ -251,7 +263,9 @@ mod tests {
     use crate::error::Error;
 
     fn misconfigured(b: QuotaBuilder) -> bool {
-        matches!(b.build(), Err(Error::Misconfigured(_)))
+        let checked = matches!(b.check(), Err(Error::Misconfigured(_)));
+        assert_eq!(checked, matches!(b.build(), Err(Error::Misconfigured(_))));
+        checked
     }
 
     #[test]

@@ -442,6 +442,37 @@ async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
     );
 }
 
+/// The message is the fast path; the keys are the truth. A user whose ACL does not grant the
+/// channel still cancels and releases: the call must not report as failed what it did.
+#[tokio::test]
+async fn a_refused_publish_does_not_fail_a_cancel_or_a_release_already_done() {
+    let server = RedisServer::start();
+    let mut setuser = vec!["ACL", "SETUSER", "lh"];
+    setuser.extend(LEASEHOLD_ACL.iter().filter(|rule| !rule.starts_with('&')));
+    assert_eq!(server.command(&setuser).as_string().as_deref(), Some("OK"));
+    let url = format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port());
+    let quota = Quota::builder("allowed")
+        .limit(1)
+        .events(false) // no SUBSCRIBE either
+        .backend(RedisBackend::connect(&url).await.unwrap())
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("a").await.unwrap();
+    assert!(quota.cancel("a", "no channel").await.unwrap());
+    assert!(server
+        .command(&["EXISTS", "leasehold:{allowed}:cancel:a"])
+        .as_int()
+        .is_some_and(|n| n == 1));
+    assert!(quota.force_release("a").await.unwrap());
+    assert_eq!(
+        server
+            .command(&["ZCARD", "leasehold:{allowed}:leases"])
+            .as_int(),
+        Some(0)
+    );
+    drop(lease);
+}
+
 #[tokio::test]
 async fn names_with_colons_and_spaces_touch_only_their_own_keys() {
     let server = RedisServer::start();

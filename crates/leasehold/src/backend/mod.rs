@@ -13,6 +13,7 @@ use crate::keys::QuotaKeys;
 
 mod batch;
 pub mod memory;
+mod redacted_url;
 pub mod redis;
 
 /// The answer to one admission attempt.

@@ -16,6 +16,7 @@ use redis::{Script, ServerErrorKind, Value};
 use tokio::sync::{broadcast, mpsc};
 
 use super::batch::Batcher;
+use super::redacted_url::redacted;
 use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, Snapshot, RENEW_BATCH};
 use crate::error::{Error, Misconfiguration, Result};
 use crate::keys::QuotaKeys;
@@ -131,7 +132,7 @@ impl RedisBackend {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let info = url
             .into_connection_info()
-            .map_err(|e| Misconfiguration::InvalidUrl(format!("{url:?}: {e}")))?;
+            .map_err(|e| Misconfiguration::InvalidUrl(format!("{:?}: {e}", redacted(url))))?;
         let settings = info
             .redis_settings()
             .clone()
@@ -147,7 +148,7 @@ impl RedisBackend {
                 },
             ),
         }
-        .map_err(|e| Misconfiguration::InvalidUrl(format!("{url:?}: {e}")))?;
+        .map_err(|e| Misconfiguration::InvalidUrl(format!("{:?}: {e}", redacted(url))))?;
         let timeout = options.call_timeout;
         let connect_options = options.clone();
         runtime::run(async move {

@@ -9,7 +9,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id = ARGV[1]
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 local score = redis.call('ZSCORE', KEYS[1], id)
-redis.call('PUBLISH', ARGV[4], 'cancelled:' .. string.len(id) .. ':' .. id .. ':' .. ARGV[2])
+-- pcall: a refused PUBLISH (an ACL without this channel) must not fail a cancel already written.
+redis.pcall('PUBLISH', ARGV[4], 'cancelled:' .. string.len(id) .. ':' .. id .. ':' .. ARGV[2])
 if score and tonumber(score) > now then
   return {1}
 end

@@ -51,7 +51,9 @@ end
 if #unlease > 0 then
   redis.call('ZREM', KEYS[1], unpack(unlease))
 end
+-- pcall: a refused PUBLISH (an ACL without this channel) must not fail a release already done;
+-- waiters still learn of it from their polls.
 for _, message in ipairs(announce) do
-  redis.call('PUBLISH', ARGV[1], message)
+  redis.pcall('PUBLISH', ARGV[1], message)
 end
 return out
