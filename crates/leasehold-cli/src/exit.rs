@@ -10,6 +10,8 @@ pub const NOT_HELD: i32 = 1;
 pub const UNAVAILABLE: i32 = 69;
 /// An internal error (EX_SOFTWARE).
 pub const SOFTWARE: i32 = 70;
+/// The output could not be written (EX_IOERR).
+pub const IO_ERROR: i32 = 74;
 /// No slot within --wait (EX_TEMPFAIL).
 pub const NO_SLOT: i32 = 75;
 /// Bad configuration: URL, credentials, limit, names, a key of the wrong type (EX_CONFIG).
@@ -23,7 +25,8 @@ pub const CANNOT_EXECUTE: i32 = 126;
 /// The command was not found (like a shell).
 pub const NOT_FOUND: i32 = 127;
 
-/// A failure to report: one line on stderr, then exit with `code`.
+/// A failure to report: one line on stderr (none if the message is empty), then exit with
+/// `code`.
 #[derive(Debug)]
 pub struct Failure {
     pub code: i32,
@@ -36,6 +39,23 @@ impl Failure {
             code,
             message: message.into(),
         }
+    }
+
+    /// Exit with `code` and say nothing (the reader of our output went away on purpose).
+    pub fn quiet(code: i32) -> Self {
+        Failure::new(code, "")
+    }
+
+    /// The message as one line: scripts log stderr line by line, and some backend errors (a
+    /// server that is not Redis) span several.
+    pub fn one_line(&self) -> String {
+        let lines: Vec<&str> = self
+            .message
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        lines.join("; ")
     }
 }
 

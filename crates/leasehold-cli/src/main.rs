@@ -4,6 +4,8 @@
 mod cli;
 mod demo;
 mod exit;
+mod job;
+mod output;
 mod run;
 mod status;
 
@@ -11,7 +13,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
-use leasehold::{Quota, RedisBackend};
+use leasehold::{validate_task_id, Quota, RedisBackend};
 
 use cli::{Cli, Command};
 use exit::Failure;
@@ -58,7 +60,10 @@ fn main() {
 }
 
 fn fail(failure: Failure) -> ! {
-    eprintln!("leasehold: {}", failure.message);
+    let line = failure.one_line();
+    if !line.is_empty() {
+        eprintln!("leasehold: {line}");
+    }
     std::process::exit(failure.code)
 }
 
@@ -89,49 +94,58 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
             ),
         )
     })?;
-    let backend = RedisBackend::connect(&url).await?;
-    let builder = |limit: u64| {
-        Quota::builder(name.clone())
-            .limit(limit)
-            .backend(backend.clone())
-    };
-    match cli.command {
+    // Everything the user typed is checked before the first network call: bad input is exit 78
+    // whether or not Redis can be reached.
+    let base = |limit: u64| Quota::builder(name.clone()).limit(limit);
+    let settings = match &cli.command {
         Command::Run(args) => {
-            let mut b = builder(args.limit).ttl(args.ttl);
-            if let Some(every) = args.heartbeat {
-                b = b.heartbeat(every);
+            if let Some(id) = &args.task_id {
+                validate_task_id(id)?;
             }
-            run::run(b.build()?, args, cli.verbose).await
+            let b = base(args.limit).ttl(args.ttl);
+            match args.heartbeat {
+                Some(every) => b.heartbeat(every),
+                None => b,
+            }
         }
-        Command::Status(args) => {
-            // The limit only matters for the free-slot column; 1 is a placeholder when unknown.
-            let quota = builder(args.limit.unwrap_or(1)).build()?;
-            status::print(&quota, args.limit.is_some(), args.json).await
-        }
+        // The limit only matters for the free-slot column; 1 is a placeholder when unknown.
+        Command::Status(args) => base(args.limit.unwrap_or(1)),
         Command::Cancel(args) => {
-            let held = builder(1)
-                .build()?
-                .cancel(&args.task_id, &args.reason)
-                .await?;
-            println!(
-                "{}: cancel marker written{}",
+            validate_task_id(&args.task_id)?;
+            base(1)
+        }
+        Command::Release(args) => {
+            validate_task_id(&args.task_id)?;
+            base(1).ttl(Duration::from_secs(10))
+        }
+        Command::Demo(_) => unreachable!("dispatched above"),
+    };
+    settings.check()?;
+    let backend = RedisBackend::connect(&url).await?;
+    let quota = settings.backend(backend).build()?;
+    match cli.command {
+        Command::Run(args) => run::run(quota, args, cli.verbose).await,
+        Command::Status(args) => status::print(&quota, args.limit.is_some(), args.json).await,
+        Command::Cancel(args) => {
+            let held = quota.cancel(&args.task_id, &args.reason).await?;
+            output::tell(&format!(
+                "{}: cancel marker written{}\n",
                 args.task_id,
                 if held {
                     "; it held a lease"
                 } else {
                     "; it held no lease (queued or not started)"
                 }
-            );
+            ));
             Ok(0)
         }
         Command::Demo(_) => unreachable!("dispatched above"),
         Command::Release(args) => {
-            let quota = builder(1).ttl(Duration::from_secs(10)).build()?;
             if quota.force_release(&args.task_id).await? {
-                println!("{}: released", args.task_id);
+                output::tell(&format!("{}: released\n", args.task_id));
                 Ok(0)
             } else {
-                println!("{}: held no lease", args.task_id);
+                output::tell(&format!("{}: held no lease\n", args.task_id));
                 Ok(exit::NOT_HELD)
             }
         }

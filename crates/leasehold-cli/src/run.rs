@@ -6,39 +6,10 @@ use std::time::Duration;
 
 use leasehold::{Error, Lease, LostReason, Quota};
 use tokio::process::{Child, Command};
-use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::cli::RunArgs;
 use crate::exit::{self, Failure};
-
-/// Signals that `leasehold run` forwards to its child's process group.
-struct Forwarded {
-    interrupt: Signal,
-    terminate: Signal,
-    hangup: Signal,
-}
-
-impl Forwarded {
-    fn install() -> Result<Self, Failure> {
-        let make = |kind| {
-            signal(kind).map_err(|e| Failure::new(exit::SOFTWARE, format!("signal handler: {e}")))
-        };
-        Ok(Forwarded {
-            interrupt: make(SignalKind::interrupt())?,
-            terminate: make(SignalKind::terminate())?,
-            hangup: make(SignalKind::hangup())?,
-        })
-    }
-
-    /// The next signal received, as its number.
-    async fn next(&mut self) -> i32 {
-        tokio::select! {
-            _ = self.interrupt.recv() => libc::SIGINT,
-            _ = self.terminate.recv() => libc::SIGTERM,
-            _ = self.hangup.recv() => libc::SIGHUP,
-        }
-    }
-}
+use crate::job::{self, Event, Signals, Terminal};
 
 pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Failure> {
     let generated = args.task_id.is_none();
@@ -49,21 +20,32 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
     if verbose {
         eprintln!("leasehold: quota {:?}, task id {task_id}", quota.name());
     }
-    let mut signals = Forwarded::install()?;
-    let lease = tokio::select! {
-        lease = acquire(&quota, &task_id, args.wait) => match lease {
-            Ok(lease) => lease,
-            Err(failure) => {
-                if failure.code == exit::NO_SLOT && args.wait.is_some_and(|d| !d.is_zero()) {
-                    // `--wait` ran out, maybe with an attempt still in flight.
-                    give_back_unclaimed(&quota, &task_id, generated).await;
-                }
-                return Err(failure);
+    let mut signals = Signals::install()?;
+    let lease = {
+        let acquiring = acquire(&quota, &task_id, args.wait);
+        tokio::pin!(acquiring);
+        loop {
+            tokio::select! {
+                lease = &mut acquiring => match lease {
+                    Ok(lease) => break lease,
+                    Err(failure) => {
+                        if failure.code == exit::NO_SLOT && args.wait.is_some_and(|d| !d.is_zero()) {
+                            // `--wait` ran out, maybe with an attempt still in flight.
+                            give_back_unclaimed(&quota, &task_id, generated).await;
+                        }
+                        return Err(failure);
+                    }
+                },
+                event = signals.next() => match event {
+                    Event::Forward(sig) => {
+                        give_back_unclaimed(&quota, &task_id, generated).await;
+                        return Ok(128 + sig);
+                    }
+                    // Nothing holds a slot yet: stop, and wait on once continued.
+                    Event::Stop => job::stop_self(),
+                    Event::Child => {}
+                },
             }
-        },
-        sig = signals.next() => {
-            give_back_unclaimed(&quota, &task_id, generated).await;
-            return Ok(128 + sig);
         }
     };
     if verbose {
@@ -72,7 +54,8 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             lease.fencing_token()
         );
     }
-    let mut child = match spawn(&args, &quota, &lease) {
+    let terminal = Terminal::if_foreground();
+    let mut child = match spawn(&args, &quota, &lease, terminal.as_ref()) {
         Ok(child) => child,
         Err(failure) => {
             // The process exits right after this: a release left to the lease's drop would
@@ -81,8 +64,26 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             return Err(failure);
         }
     };
-    let pgid = child.id().map(|pid| pid as i32);
-    let outcome = supervise(&mut child, pgid, &lease, &mut signals, args.grace).await;
+    let outcome = match child.id() {
+        Some(pid) => {
+            let job = Job {
+                pid: pid as i32,
+                terminal: terminal.as_ref(),
+            };
+            if let Some(terminal) = job.terminal {
+                terminal.give_to(job.pid);
+            }
+            let outcome = supervise(&mut child, &job, &lease, &mut signals, args.grace).await;
+            if let Some(terminal) = job.terminal.filter(|t| t.is_held_by(job.pid)) {
+                // Back to our group, whose exit the shell is waiting for (unless the shell took
+                // it meanwhile: after `bg`, it is not ours to give).
+                terminal.give_to(job::own_group());
+            }
+            outcome
+        }
+        // Already reaped: it exited before we looked.
+        None => child.wait().await.map(Outcome::Exited).map_err(wait_error),
+    };
     // Release whatever happened: the slot is ours until the backend says otherwise.
     release(&lease).await;
     match outcome? {
@@ -137,30 +138,36 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
     })
 }
 
-fn spawn(args: &RunArgs, quota: &Quota, lease: &Lease) -> Result<Child, Failure> {
+fn spawn(
+    args: &RunArgs,
+    quota: &Quota,
+    lease: &Lease,
+    terminal: Option<&Terminal>,
+) -> Result<Child, Failure> {
     let (program, rest) = args
         .command
         .split_first()
         .ok_or_else(|| Failure::new(exit::USAGE, "no command given"))?;
-    Command::new(program)
+    let mut command = Command::new(program);
+    command
         .args(rest)
         .env("LEASEHOLD_QUOTA", quota.name())
         .env("LEASEHOLD_TASK_ID", lease.task_id())
         .env("LEASEHOLD_FENCING_TOKEN", lease.fencing_token().to_string())
         // Its own group, so a signal reaches the whole tree the command starts.
         .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| {
-            let code = match e.kind() {
-                std::io::ErrorKind::NotFound => exit::NOT_FOUND,
-                _ => exit::CANNOT_EXECUTE,
-            };
-            Failure::new(
-                code,
-                format!("cannot run {}: {e}", program.to_string_lossy()),
-            )
-        })
+        .kill_on_drop(true);
+    job::prepare(&mut command, terminal.map(Terminal::raw_fd));
+    command.spawn().map_err(|e| {
+        let code = match e.kind() {
+            std::io::ErrorKind::NotFound => exit::NOT_FOUND,
+            _ => exit::CANNOT_EXECUTE,
+        };
+        Failure::new(
+            code,
+            format!("cannot run {}: {e}", program.to_string_lossy()),
+        )
+    })
 }
 
 enum Outcome {
@@ -168,49 +175,82 @@ enum Outcome {
     Lost(LostReason),
 }
 
+/// The command's process (also its process group) and the terminal it was given, if any.
+struct Job<'t> {
+    pid: i32,
+    terminal: Option<&'t Terminal>,
+}
+
+fn wait_error(e: std::io::Error) -> Failure {
+    Failure::new(exit::SOFTWARE, format!("waiting for the command: {e}"))
+}
+
+/// How often the command is checked for a job-control stop besides SIGCHLD.
+const STOP_CHECK: Duration = Duration::from_millis(250);
+
 async fn supervise(
     child: &mut Child,
-    pgid: Option<i32>,
+    job: &Job<'_>,
     lease: &Lease,
-    signals: &mut Forwarded,
+    signals: &mut Signals,
     grace: Duration,
 ) -> Result<Outcome, Failure> {
-    let wait_error =
-        |e: std::io::Error| Failure::new(exit::SOFTWARE, format!("waiting for the command: {e}"));
+    let mut stop_check = tokio::time::interval(STOP_CHECK);
     loop {
-        tokio::select! {
+        let stop = tokio::select! {
             status = child.wait() => return status.map(Outcome::Exited).map_err(wait_error),
-            sig = signals.next() => {
+            event = signals.next() => match event {
                 // Ours to pass on; the slot is released after the command exits.
-                signal_group(pgid, sig);
-            }
+                Event::Forward(sig) => { job::signal_group(job.pid, sig); false }
+                Event::Stop => true,
+                Event::Child => job::stopped_by_job_control(job.pid),
+            },
+            _ = stop_check.tick() => job::stopped_by_job_control(job.pid),
             reason = lease.lost() => {
-                terminate(child, pgid, grace).await.map_err(wait_error)?;
+                terminate(child, job.pid, grace).await.map_err(wait_error)?;
                 return Ok(Outcome::Lost(reason));
             }
+        };
+        if stop && !suspend(job, lease) {
+            let reason = lease.lost_reason().unwrap_or(LostReason::LocalDeadline);
+            terminate(child, job.pid, grace).await.map_err(wait_error)?;
+            return Ok(Outcome::Lost(reason));
         }
     }
+}
+
+/// Stops the whole job, command first, until the shell continues it; then continues the
+/// command if the lease is still held, and returns whether it is. Renewals stop meanwhile, so a
+/// long stop ends the lease and the command is not let run again.
+fn suspend(job: &Job<'_>, lease: &Lease) -> bool {
+    job::signal_group(job.pid, libc::SIGSTOP);
+    job::stop_self();
+    if !lease.is_held() {
+        return false;
+    }
+    if let Some(terminal) = job.terminal {
+        // `fg` gave the terminal back to our group: pass it on. After `bg` it is not ours, and
+        // the command runs in the background like any job.
+        if terminal.is_ours() {
+            terminal.give_to(job.pid);
+        }
+    }
+    job::signal_group(job.pid, libc::SIGCONT);
+    true
 }
 
 /// SIGTERM to the group, then SIGKILL after `grace` if the command is still there.
-async fn terminate(child: &mut Child, pgid: Option<i32>, grace: Duration) -> std::io::Result<()> {
-    signal_group(pgid, libc::SIGTERM);
+async fn terminate(child: &mut Child, pgid: i32, grace: Duration) -> std::io::Result<()> {
+    job::signal_group(pgid, libc::SIGTERM);
+    // A stopped command acts on SIGTERM only once continued.
+    job::signal_group(pgid, libc::SIGCONT);
     if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        signal_group(pgid, libc::SIGKILL);
+        job::signal_group(pgid, libc::SIGKILL);
         child.wait().await?;
     }
     // Children of the command that outlived it get the same end.
-    signal_group(pgid, libc::SIGKILL);
+    job::signal_group(pgid, libc::SIGKILL);
     Ok(())
-}
-
-fn signal_group(pgid: Option<i32>, sig: i32) {
-    if let Some(pgid) = pgid {
-        // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
-        unsafe {
-            libc::kill(-pgid, sig);
-        }
-    }
 }
 
 /// The exit code a shell would report for `status`.

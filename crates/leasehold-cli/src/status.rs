@@ -1,11 +1,13 @@
 //! `leasehold status`: the holders of a quota, as an aligned table or as JSON.
 
+use std::fmt::Write;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use leasehold::Quota;
 use serde_json::json;
 
 use crate::exit::Failure;
+use crate::output;
 
 fn millis(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
@@ -43,11 +45,14 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
             "free": free,
             "holders": holders,
         });
-        println!("{doc}");
+        output::print(&format!("{doc}\n"))?;
         return Ok(0);
     }
     let shown = |v: Option<u32>| v.map_or_else(|| "?".to_owned(), |n| n.to_string());
-    println!(
+    // Built whole, then written once: a failed write is one error, not a panic mid-table.
+    let mut table = String::new();
+    let _ = writeln!(
+        table,
         "quota {}: {} held, limit {}, free {}",
         status.quota,
         status.holders.len(),
@@ -55,6 +60,7 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
         shown(free)
     );
     if status.holders.is_empty() {
+        output::print(&table)?;
         return Ok(0);
     }
     let width = status
@@ -64,14 +70,16 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
         .max()
         .unwrap_or(0)
         .max("TASK ID".len());
-    println!(
+    let _ = writeln!(
+        table,
         "{:<width$}  {:>8}  {:>10}  {:>10}",
         "TASK ID", "TOKEN", "AGE", "EXPIRES IN"
     );
     for h in &status.holders {
         let age = between(h.acquired_at, status.now);
         let left = between(status.now, h.deadline);
-        println!(
+        let _ = writeln!(
+            table,
             "{:<width$}  {:>8}  {:>9.1}s  {:>9.1}s",
             h.task_id,
             h.fencing_token,
@@ -79,5 +87,6 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
             left.as_secs_f64()
         );
     }
+    output::print(&table)?;
     Ok(0)
 }

@@ -1,85 +1,12 @@
 //! The built `leasehold` binary, as separate processes, against a private redis-server.
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::*;
 use leasehold_testkit::{free_port, temp_dir, RedisServer};
-
-fn leasehold(url: &str, quota: &str) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
-    cmd.env("LEASEHOLD_REDIS_URL", url)
-        .env("LEASEHOLD_QUOTA", quota)
-        .stdin(Stdio::null());
-    cmd
-}
-
-fn output(mut cmd: Command) -> Output {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let child = cmd.spawn().expect("spawn leasehold");
-    wait_output(child, Duration::from_secs(30))
-}
-
-/// Runs `leasehold ARGS` against `url` and `quota` to the end (bounded) and returns its output.
-fn run_cli<I, S>(url: &str, quota: &str, args: I) -> Output
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<std::ffi::OsStr>,
-{
-    let mut cmd = leasehold(url, quota);
-    cmd.args(args);
-    output(cmd)
-}
-
-fn wait_output(mut child: Child, within: Duration) -> Output {
-    let end = Instant::now() + within;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > end {
-            let _ = child.kill();
-            panic!("leasehold did not finish within {within:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn wait_exit(child: &mut Child, within: Duration) -> i32 {
-    let end = Instant::now() + within;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status.code().expect("leasehold itself exits with a code");
-        }
-        assert!(
-            Instant::now() < end,
-            "leasehold did not exit within {within:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Waits until `task` holds a lease in `quota`.
-fn wait_held(server: &RedisServer, quota: &str, task: &str) {
-    let key = format!("leasehold:{{{quota}}}:leases");
-    let end = Instant::now() + Duration::from_secs(10);
-    while server
-        .command(&["ZSCORE", &key, task])
-        .as_string()
-        .is_none()
-    {
-        assert!(Instant::now() < end, "{task} never acquired");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn holders(server: &RedisServer, quota: &str) -> i64 {
-    server
-        .command(&["ZCARD", &format!("leasehold:{{{quota}}}:leases")])
-        .as_int()
-        .unwrap()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 #[test]
 fn ten_runs_on_limit_three_never_overlap_more_than_three() {
@@ -427,7 +354,12 @@ fn bad_input_gets_one_line_and_a_non_zero_exit_never_a_panic() {
 fn a_command_that_cannot_start_leaves_no_slot_held() {
     let server = RedisServer::start();
     let url = server.url();
-    for (command, code) in [("/no/such/command", 127), ("/etc/hostname", 126)] {
+    let dir = temp_dir("leasehold-cli-unstartable");
+    // A file without execute permission (not a system file: their modes vary by machine).
+    let plain = dir.join("not-executable");
+    std::fs::write(&plain, "echo ran\n").unwrap();
+    let plain = plain.to_str().unwrap();
+    for (command, code) in [("/no/such/command", 127), (plain, 126)] {
         let out = run_cli(
             &url,
             "unstartable",
@@ -440,6 +372,7 @@ fn a_command_that_cannot_start_leaves_no_slot_held() {
             "{command}: the slot stayed held after the run exited"
         );
     }
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -476,4 +409,95 @@ fn a_signal_while_waiting_leaves_no_late_admission_behind() {
         0,
         "an interrupted run left a slot held"
     );
+}
+
+/// Bad input is refused before any network call: the same exit 78 with Redis up or down.
+#[test]
+fn bad_input_is_refused_before_connecting() {
+    let refused = format!("redis://127.0.0.1:{}/", free_port());
+    let cases: [&[&str]; 6] = [
+        &["run", "--limit", "0", "--", "true"],
+        &["run", "--limit", "1", "--ttl", "1ms", "--", "true"],
+        &["run", "--limit", "1", "--task-id", "", "--", "true"],
+        &["cancel", ""],
+        &["release", ""],
+        &["--quota", "a{b", "status"],
+    ];
+    for args in cases {
+        let out = run_cli(&refused, "q", args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(78), "{args:?}: {err}");
+        assert!(!err.contains("unavailable"), "{args:?}: {err}");
+    }
+}
+
+/// Errors stay one line (a server that is not Redis answers with several), and a URL's
+/// password never reaches the terminal.
+#[test]
+fn errors_are_one_line_and_never_show_a_password() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let not_redis = std::thread::spawn(move || {
+        // Answer one connection like a web server would, then stop.
+        if let Ok((mut socket, _)) = listener.accept() {
+            use std::io::Write;
+            let _ =
+                socket.write_all(b"HTTP/1.0 400 Bad Request\r\n\r\n<html>\n<p>no</p>\n</html>\n");
+        }
+    });
+    let out = run_cli(&format!("redis://127.0.0.1:{port}/"), "q", ["status"]);
+    let err = stderr(&out);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err:?}");
+    not_redis.join().unwrap();
+
+    let out = run_cli(
+        &format!("redis://admin:s3cret@127.0.0.1:{}/x", free_port()),
+        "q",
+        ["status"],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(78), "{err}");
+    assert!(!err.contains("s3cret"), "{err}");
+    assert!(err.contains("admin:***@"), "{err}");
+}
+
+/// A closed or full stdout is an error line and an exit code, never a panic; a release that
+/// took effect still exits 0.
+#[test]
+fn output_that_cannot_be_written_is_reported_not_panicked() {
+    let server = RedisServer::start();
+    let full = || Stdio::from(std::fs::File::create("/dev/full").unwrap());
+
+    let mut status = leasehold(&server.url(), "out");
+    status.arg("status").stdout(full()).stderr(Stdio::piped());
+    let out = wait_output(status.spawn().unwrap(), Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(74), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out).trim_end().lines().count(),
+        1,
+        "{}",
+        stderr(&out)
+    );
+
+    // The reader went away before anything was written, as with `| head -0`.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut closed = leasehold(&server.url(), "out");
+    closed.arg("status").stdout(writer).stderr(Stdio::piped());
+    let out = wait_output(closed.spawn().unwrap(), Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(74));
+    assert_eq!(stderr(&out), "", "a closed pipe is not worth a message");
+
+    server.command(&["ZADD", "leasehold:{out}:leases", "99999999999999", "h"]);
+    server.command(&["HSET", "leasehold:{out}:holders", "h", "7:0"]);
+    let mut release = leasehold(&server.url(), "out");
+    release
+        .args(["release", "h"])
+        .stdout(full())
+        .stderr(Stdio::piped());
+    let out = wait_output(release.spawn().unwrap(), Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stderr(&out).contains("cannot write"), "{}", stderr(&out));
+    assert_eq!(holders(&server, "out"), 0);
 }

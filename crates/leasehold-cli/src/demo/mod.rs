@@ -24,6 +24,7 @@ use leasehold::RedisBackend;
 
 use crate::cli::DemoArgs;
 use crate::exit::{self, Failure};
+use crate::output;
 use controller::Controller;
 use params::Params;
 use store::Store;
@@ -48,9 +49,9 @@ pub async fn run(args: DemoArgs, redis: Option<String>) -> Result<i32, Failure> 
     if args.headless {
         let outcome = headless::run(params, &store, args.duration).await?;
         if args.json {
-            println!("{}", summary::json(&outcome, store.label()));
+            output::print(&format!("{}\n", summary::json(&outcome, store.label())))?;
         } else {
-            print!("{}", summary::table(&outcome, store.label()));
+            output::print(&summary::table(&outcome, store.label()))?;
         }
         return Ok(0);
     }
@@ -68,10 +69,10 @@ async fn serve(params: Params, store: Store, port: u16) -> Result<i32, Failure> 
         .map_err(|e| software("cannot read the listening address", e))?;
     let label = store.label();
     let controller = Arc::new(Controller::new(store, params));
-    println!(
-        "leasehold demo: open {} (store: {label}; Ctrl-C to stop)",
+    output::tell(&format!(
+        "leasehold demo: open {} (store: {label}; Ctrl-C to stop)\n",
         server::url(addr)
-    );
+    ));
     let app = server::router(controller.clone());
     tokio::select! {
         served = axum::serve(listener, app) => served.map_err(|e| software("web server stopped", e))?,

@@ -1,0 +1,229 @@
+//! `leasehold run` and its command as one job: which signals are passed on, how the job stops
+//! and continues (Ctrl-Z, `fg`, `bg`), who owns the terminal, and what happens to the command
+//! when `leasehold run` itself dies.
+//!
+//! The command runs in its own process group, so a signal reaches the whole tree it starts.
+//! Three things follow, and each would let the command run without a slot:
+//! * a terminal sends Ctrl-C, Ctrl-\ and Ctrl-Z only to its foreground group, and lets only that
+//!   group read: when `leasehold run` is in the foreground it hands the terminal to the command's
+//!   group (a command reading stdin would otherwise stop on SIGTTIN and hold its slot forever);
+//! * a stop of one group does not stop the other: a job-control stop of either (SIGTSTP,
+//!   SIGTTIN, SIGTTOU) stops both, and on continue the command is continued only if the lease
+//!   is still held (renewals stop while `leasehold run` is stopped);
+//! * nothing ties the command's life to `leasehold run`: the command gets SIGKILL when the thread
+//!   that started it ends (`PR_SET_PDEATHSIG`), so a SIGKILLed or crashed `leasehold run` leaves
+//!   no command running on an expired lease.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use futures_util::future::select_all;
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
+use crate::exit::{self, Failure};
+
+/// Signals passed on to the command's process group. A signal this process inherited as
+/// ignored (`nohup`) stays ignored, and the command inherits that too.
+const FORWARDED: [i32; 7] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+    libc::SIGALRM,
+];
+
+/// Job-control stops: caught, so that the command stops with `leasehold run` instead of running
+/// on while renewals are stopped.
+const STOPPING: [i32; 3] = [libc::SIGTSTP, libc::SIGTTIN, libc::SIGTTOU];
+
+/// What a signal asks of `leasehold run`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// Pass this signal on to the command's group (or end the wait for a slot).
+    Forward(i32),
+    /// Stop the job.
+    Stop,
+    /// A child changed state (SIGCHLD): look whether the command stopped.
+    Child,
+}
+
+/// The signals `leasehold run` listens to, installed before anything is spawned.
+pub struct Signals {
+    streams: Vec<(Event, Signal)>,
+}
+
+impl Signals {
+    pub fn install() -> Result<Self, Failure> {
+        let mut streams = Vec::new();
+        let wanted = FORWARDED
+            .iter()
+            .map(|&sig| (sig, Event::Forward(sig)))
+            .chain(STOPPING.iter().map(|&sig| (sig, Event::Stop)))
+            .chain([(libc::SIGCHLD, Event::Child)]);
+        for (sig, event) in wanted {
+            if sig != libc::SIGCHLD && ignored(sig) {
+                continue;
+            }
+            let stream = signal(SignalKind::from_raw(sig)).map_err(|e| {
+                Failure::new(exit::SOFTWARE, format!("signal handler for {sig}: {e}"))
+            })?;
+            streams.push((event, stream));
+        }
+        Ok(Signals { streams })
+    }
+
+    /// The next signal received.
+    pub async fn next(&mut self) -> Event {
+        let waits = self.streams.iter_mut().map(|(event, stream)| {
+            let event = *event;
+            Box::pin(async move {
+                if stream.recv().await.is_none() {
+                    // The signal driver is gone (the runtime is shutting down): nothing more
+                    // will arrive from this stream.
+                    std::future::pending::<()>().await;
+                }
+                event
+            })
+        });
+        select_all(waits).await.0
+    }
+}
+
+/// True if `sig` is ignored in this process (as `nohup` leaves SIGHUP).
+fn ignored(sig: i32) -> bool {
+    // SAFETY: sigaction(2) with a null new action only reads the current one into `current`.
+    unsafe {
+        let mut current: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut current) == 0
+            && current.sa_sigaction == libc::SIG_IGN
+    }
+}
+
+/// The controlling terminal, held while this process's group is its foreground group.
+pub struct Terminal {
+    fd: OwnedFd,
+}
+
+impl Terminal {
+    /// The controlling terminal if this process's group owns it (an interactive `leasehold run`
+    /// in the foreground), `None` otherwise (a pipeline stage in the background, a service).
+    pub fn if_foreground() -> Option<Terminal> {
+        let fd = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/tty")
+            .ok()?;
+        let terminal = Terminal { fd: fd.into() };
+        terminal.is_ours().then_some(terminal)
+    }
+
+    /// True while this process's group is the terminal's foreground group.
+    pub fn is_ours(&self) -> bool {
+        self.is_held_by(own_group())
+    }
+
+    /// True while `pgrp` is the terminal's foreground group.
+    pub fn is_held_by(&self, pgrp: i32) -> bool {
+        // SAFETY: a plain query on a descriptor we own.
+        unsafe { libc::tcgetpgrp(self.fd.as_raw_fd()) == pgrp }
+    }
+
+    /// The descriptor, for the command's own hand-over before it executes.
+    pub fn raw_fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    /// Makes `pgrp` the terminal's foreground group.
+    pub fn give_to(&self, pgrp: i32) {
+        // SAFETY: signal-mask calls on this thread and tcsetpgrp on a descriptor we own.
+        unsafe { foreground(self.fd.as_raw_fd(), pgrp) };
+    }
+}
+
+/// Makes `pgrp` the foreground group of the terminal `fd`, from a foreground or background
+/// group alike: SIGTTOU, which a background group gets for asking, is blocked meanwhile.
+///
+/// # Safety
+/// Async-signal-safe (the command's side calls it between fork and exec); `fd` must be open.
+unsafe fn foreground(fd: i32, pgrp: i32) {
+    let mut block: libc::sigset_t = std::mem::zeroed();
+    let mut before: libc::sigset_t = std::mem::zeroed();
+    libc::sigemptyset(&mut block);
+    libc::sigaddset(&mut block, libc::SIGTTOU);
+    libc::pthread_sigmask(libc::SIG_BLOCK, &block, &mut before);
+    libc::tcsetpgrp(fd, pgrp);
+    libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
+}
+
+/// Sets up the command, between fork and exec: it dies with the thread that starts it, and it
+/// takes the terminal `terminal_fd` (if any) itself, so it cannot read before it has it.
+///
+/// Only async-signal-safe calls happen in the child. `PR_SET_PDEATHSIG` fires when the *thread*
+/// that forked ends: `leasehold run` starts the command from the main thread, which lives as long
+/// as the process.
+pub fn prepare(command: &mut tokio::process::Command, terminal_fd: Option<i32>) {
+    // SAFETY: getpid(2) only.
+    let parent = unsafe { libc::getpid() };
+    let setup = move || -> std::io::Result<()> {
+        // SAFETY: prctl, getppid, getpgrp, signal masks and tcsetpgrp are async-signal-safe.
+        unsafe {
+            #[cfg(target_os = "linux")]
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                // `leasehold run` died before the death signal was armed.
+                return Err(std::io::Error::other("leasehold run exited"));
+            }
+            if let Some(fd) = terminal_fd {
+                foreground(fd, libc::getpgrp());
+            }
+        }
+        Ok(())
+    };
+    // SAFETY: `setup` only makes async-signal-safe calls and allocates nothing on success.
+    unsafe {
+        command.pre_exec(setup);
+    }
+}
+
+/// True if the child `pid` was stopped by a job-control signal (SIGTSTP, SIGTTIN, SIGTTOU) since
+/// the last look. A stop by SIGSTOP is someone's explicit choice for the command alone and is
+/// not mirrored. Exits are left to the `Child`'s own wait.
+pub fn stopped_by_job_control(pid: i32) -> bool {
+    // SAFETY: waitid(2) with WSTOPPED | WNOHANG reports (and consumes) only a stop, never an
+    // exit, so the child stays reapable by its `Child` handle.
+    unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        let found = libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WSTOPPED | libc::WNOHANG,
+        );
+        found == 0 && info.si_pid() == pid && STOPPING.contains(&info.si_status())
+    }
+}
+
+/// Sends `sig` to the process group `pgid`.
+pub fn signal_group(pgid: i32, sig: i32) {
+    // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
+    unsafe {
+        libc::kill(-pgid, sig);
+    }
+}
+
+/// This process's group.
+pub fn own_group() -> i32 {
+    // SAFETY: getpgrp(2) takes no arguments and cannot fail.
+    unsafe { libc::getpgrp() }
+}
+
+/// Stops this whole process until someone continues it (the shell's `fg` or `bg`).
+pub fn stop_self() {
+    // SAFETY: kill(2) on our own pid; SIGSTOP stops every thread and returns once continued.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGSTOP);
+    }
+}

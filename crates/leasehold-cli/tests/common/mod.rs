@@ -1,0 +1,84 @@
+//! Helpers shared by the command-line tests: the built binary against a private redis-server,
+//! every wait bounded in time.
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use leasehold_testkit::RedisServer;
+
+pub fn leasehold(url: &str, quota: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
+    cmd.env("LEASEHOLD_REDIS_URL", url)
+        .env("LEASEHOLD_QUOTA", quota)
+        .stdin(Stdio::null());
+    cmd
+}
+
+pub fn output(mut cmd: Command) -> Output {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = cmd.spawn().expect("spawn leasehold");
+    wait_output(child, Duration::from_secs(30))
+}
+
+/// Runs `leasehold ARGS` against `url` and `quota` to the end (bounded) and returns its output.
+pub fn run_cli<I, S>(url: &str, quota: &str, args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut cmd = leasehold(url, quota);
+    cmd.args(args);
+    output(cmd)
+}
+
+pub fn wait_output(mut child: Child, within: Duration) -> Output {
+    let end = Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > end {
+            let _ = child.kill();
+            panic!("leasehold did not finish within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+pub fn wait_exit(child: &mut Child, within: Duration) -> i32 {
+    let end = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status.code().expect("leasehold itself exits with a code");
+        }
+        assert!(
+            Instant::now() < end,
+            "leasehold did not exit within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits until `task` holds a lease in `quota`.
+pub fn wait_held(server: &RedisServer, quota: &str, task: &str) {
+    let key = format!("leasehold:{{{quota}}}:leases");
+    let end = Instant::now() + Duration::from_secs(10);
+    while server
+        .command(&["ZSCORE", &key, task])
+        .as_string()
+        .is_none()
+    {
+        assert!(Instant::now() < end, "{task} never acquired");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub fn holders(server: &RedisServer, quota: &str) -> i64 {
+    server
+        .command(&["ZCARD", &format!("leasehold:{{{quota}}}:leases")])
+        .as_int()
+        .unwrap()
+}
+
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}

@@ -1,0 +1,209 @@
+//! `leasehold run` and its command as one job: the command never runs on after `leasehold run`
+//! died or stopped, reads the terminal when run in the foreground, and keeps `nohup`'s SIGHUP.
+//! Every wait is bounded in time.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use leasehold_testkit::{temp_dir, RedisServer};
+
+/// The state letter of process `pid` (`R`, `S`, `T`, ...), `None` once it is gone or a zombie.
+fn state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 2..];
+    after_name.chars().next().filter(|&c| c != 'Z')
+}
+
+/// Waits (bounded) until `pid` is in a state `want` accepts.
+fn wait_state(pid: i32, what: &str, want: impl Fn(Option<char>) -> bool) {
+    let end = Instant::now() + Duration::from_secs(5);
+    while !want(state(pid)) {
+        assert!(
+            Instant::now() < end,
+            "process {pid} never became {what}: {:?}",
+            state(pid)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) on a pid this test started; no memory involved.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// A `leasehold run` (limit 1) whose command appends a line to `ticks` every 50 ms and has
+/// written its pid to `pidfile`; returns the run and the command's pid once it holds the slot.
+fn ticking_run(server: &RedisServer, quota: &str, ttl: &str, dir: &Path) -> (Child, i32) {
+    let pidfile = dir.join("pid");
+    let ticks = dir.join("ticks");
+    let script = format!(
+        "echo $$ > {}; i=0; while [ $i -lt 100 ]; do echo $i >> {}; i=$((i+1)); sleep 0.05; done",
+        pidfile.display(),
+        ticks.display()
+    );
+    let run = leasehold(&server.url(), quota)
+        .args(["run", "--limit", "1", "--ttl", ttl, "--task-id", "ticker"])
+        .args(["--", "sh", "-c", &script])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_held(server, quota, "ticker");
+    let end = Instant::now() + Duration::from_secs(5);
+    let pid = loop {
+        if let Some(pid) = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            break pid;
+        }
+        assert!(Instant::now() < end, "the command never started");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    (run, pid)
+}
+
+fn ticks(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("ticks"))
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// Another run on the same quota (limit 1) that only tries once: 0 if it got the slot.
+fn try_the_slot(server: &RedisServer, quota: &str) -> i32 {
+    let out = run_cli(
+        &server.url(),
+        quota,
+        ["run", "--limit", "1", "--wait", "0", "--", "true"],
+    );
+    out.status.code().unwrap()
+}
+
+#[test]
+fn a_sigkilled_run_takes_its_command_with_it() {
+    let server = RedisServer::start();
+    let dir = temp_dir("leasehold-supervision-kill");
+    let (mut run, command) = ticking_run(&server, "orphan", "1s", &dir);
+    run.kill().unwrap(); // SIGKILL: no handler runs in `leasehold run`
+    run.wait().unwrap();
+    wait_state(command, "gone", |s| s.is_none());
+    std::thread::sleep(Duration::from_millis(1500)); // the lease expires (ttl 1s)
+    let before = ticks(&dir);
+    assert_eq!(try_the_slot(&server, "orphan"), 0, "the slot frees");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        ticks(&dir),
+        before,
+        "the command ran on beside the next holder"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_stop_of_the_run_stops_its_command_and_a_lease_lost_meanwhile_ends_it() {
+    let server = RedisServer::start();
+    let dir = temp_dir("leasehold-supervision-stop");
+    let (mut run, command) = ticking_run(&server, "stop", "1s", &dir);
+    signal(run.id() as i32, libc::SIGTSTP); // what Ctrl-Z sends
+    wait_state(run.id() as i32, "stopped", |s| s == Some('T'));
+    wait_state(command, "stopped", |s| s == Some('T'));
+    let stopped_at = ticks(&dir);
+    std::thread::sleep(Duration::from_millis(1500)); // longer than the ttl: the lease is gone
+    assert_eq!(
+        ticks(&dir),
+        stopped_at,
+        "the command ran while the job was stopped"
+    );
+    assert_eq!(
+        try_the_slot(&server, "stop"),
+        0,
+        "the expired lease's slot is free"
+    );
+    signal(run.id() as i32, libc::SIGCONT); // `fg`
+    assert_eq!(
+        wait_exit(&mut run, Duration::from_secs(10)),
+        79,
+        "lease lost"
+    );
+    wait_state(command, "gone", |s| s.is_none());
+    assert_eq!(
+        ticks(&dir),
+        stopped_at,
+        "the command ran again without a lease"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_short_stop_of_the_command_stops_the_run_and_both_go_on_when_continued() {
+    let server = RedisServer::start();
+    let dir = temp_dir("leasehold-supervision-short");
+    let (mut run, command) = ticking_run(&server, "short", "5s", &dir);
+    // Ctrl-Z with the command in the terminal's foreground reaches the command's group only.
+    signal(-command, libc::SIGTSTP);
+    wait_state(run.id() as i32, "stopped", |s| s == Some('T'));
+    let stopped_at = ticks(&dir);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(ticks(&dir), stopped_at);
+    signal(run.id() as i32, libc::SIGCONT); // `fg` continues the job leader's group
+    let end = Instant::now() + Duration::from_secs(5);
+    while ticks(&dir) <= stopped_at {
+        assert!(Instant::now() < end, "the command was not continued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(wait_exit(&mut run, Duration::from_secs(15)), 0);
+    assert_eq!(ticks(&dir), 100, "the command ran to its end");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn sighup_ignored_by_nohup_stays_ignored() {
+    let server = RedisServer::start();
+    let mut cmd = leasehold(&server.url(), "nohup");
+    cmd.args(["run", "--limit", "1", "--task-id", "n", "--", "sleep", "1"]);
+    // SAFETY: signal(2) between fork and exec, as `nohup` does before it executes.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let mut run = cmd.spawn().unwrap();
+    wait_held(&server, "nohup", "n");
+    signal(run.id() as i32, libc::SIGHUP);
+    assert_eq!(
+        wait_exit(&mut run, Duration::from_secs(10)),
+        0,
+        "the hangup reached the command"
+    );
+}
+
+/// Runs `leasehold run` in the foreground of a fresh terminal (util-linux `script`), typing
+/// `input` into that terminal.
+#[test]
+fn a_command_run_in_the_foreground_reads_the_terminal() {
+    let server = RedisServer::start();
+    let line = format!(
+        "{} --redis {} --quota tty run --limit 1 --task-id reader -- sh -c 'read x; echo got:$x'",
+        env!("CARGO_BIN_EXE_leasehold"),
+        server.url()
+    );
+    let mut script = std::process::Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("util-linux `script`");
+    script.stdin.take().unwrap().write_all(b"hello\n").unwrap();
+    let out = wait_output(script, Duration::from_secs(15));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains("got:hello"), "{shown:?} {}", stderr(&out));
+    assert_eq!(out.status.code(), Some(0), "{shown:?}");
+}
