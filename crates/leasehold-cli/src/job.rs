@@ -214,6 +214,12 @@ pub fn signal_group(pgid: i32, sig: i32) {
     }
 }
 
+/// True while any process is left in the process group `pgid`.
+pub fn group_alive(pgid: i32) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks that the group exists.
+    unsafe { libc::kill(-pgid, 0) == 0 }
+}
+
 /// This process's group.
 pub fn own_group() -> i32 {
     // SAFETY: getpgrp(2) takes no arguments and cannot fail.

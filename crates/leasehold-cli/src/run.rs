@@ -74,6 +74,9 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
                 terminal.give_to(job.pid);
             }
             let outcome = supervise(&mut child, &job, &lease, &mut signals, args.grace).await;
+            if matches!(outcome, Ok(Outcome::Exited(_))) {
+                end_leftovers(job.pid, args.grace).await;
+            }
             if let Some(terminal) = job.terminal.filter(|t| t.is_held_by(job.pid)) {
                 // Back to our group, whose exit the shell is waiting for (unless the shell took
                 // it meanwhile: after `bg`, it is not ours to give).
@@ -251,6 +254,21 @@ async fn terminate(child: &mut Child, pgid: i32, grace: Duration) -> std::io::Re
     // Children of the command that outlived it get the same end.
     job::signal_group(pgid, libc::SIGKILL);
     Ok(())
+}
+
+/// Processes COMMAND started in its group and left running when it exited would run on without
+/// the slot, which is released next: SIGTERM to them, SIGKILL after `grace`.
+async fn end_leftovers(pgid: i32, grace: Duration) {
+    if !job::group_alive(pgid) {
+        return;
+    }
+    job::signal_group(pgid, libc::SIGTERM);
+    job::signal_group(pgid, libc::SIGCONT);
+    let end = tokio::time::Instant::now() + grace;
+    while job::group_alive(pgid) && tokio::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    job::signal_group(pgid, libc::SIGKILL);
 }
 
 /// The exit code a shell would report for `status`.

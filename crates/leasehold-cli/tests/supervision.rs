@@ -207,3 +207,26 @@ fn a_command_run_in_the_foreground_reads_the_terminal() {
     assert!(shown.contains("got:hello"), "{shown:?} {}", stderr(&out));
     assert_eq!(out.status.code(), Some(0), "{shown:?}");
 }
+
+#[test]
+fn processes_the_command_left_behind_end_before_the_slot_is_released() {
+    let server = RedisServer::start();
+    let dir = temp_dir("leasehold-supervision-leftover");
+    let pidfile = dir.join("pid");
+    let script = format!("sleep 60 & echo $! > {}; exit 0", pidfile.display());
+    let out = run_cli(
+        &server.url(),
+        "leftover",
+        [
+            "run", "--limit", "1", "--grace", "1s", "--", "sh", "-c", &script,
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let pid: i32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    wait_state(pid, "gone", |s| s.is_none());
+    std::fs::remove_dir_all(dir).unwrap();
+}
