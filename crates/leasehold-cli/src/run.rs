@@ -87,8 +87,16 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
         // Already reaped: it exited before we looked.
         None => child.wait().await.map(Outcome::Exited).map_err(wait_error),
     };
-    // Release whatever happened: the slot is ours until the backend says otherwise.
-    release(&lease).await;
+    match outcome {
+        // Release whatever happened: the slot is ours until the backend says otherwise.
+        Ok(Outcome::Exited(_)) | Err(_) => release(&lease).await,
+        // Only in case the backend still has it (a token-guarded release cannot touch a
+        // successor). Its failure is no news: the lease is already gone for us, and the error
+        // line that matters is the loss.
+        Ok(Outcome::Lost(_)) => {
+            let _ = lease.release().await;
+        }
+    }
     match outcome? {
         Outcome::Exited(status) => Ok(exit_code(status)),
         Outcome::Lost(reason) => {

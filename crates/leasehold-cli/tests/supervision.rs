@@ -230,3 +230,22 @@ fn processes_the_command_left_behind_end_before_the_slot_is_released() {
     wait_state(pid, "gone", |s| s.is_none());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_lease_lost_with_redis_gone_ends_the_command_with_one_error_line() {
+    let mut server = RedisServer::start();
+    let run = leasehold(&server.url(), "gone")
+        .args(["run", "--limit", "1", "--ttl", "1s", "--task-id", "g"])
+        .args(["--", "sleep", "60"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_held(&server, "gone", "g");
+    server.kill();
+    let out = wait_output(run, Duration::from_secs(15));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(79), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err:?}");
+    assert!(err.contains("local deadline"), "{err}");
+}
