@@ -33,25 +33,19 @@ async fn reacquire_through_a_second_handle(fx: Fixture) {
             .acquire_timeout("again", Duration::from_secs(2))
             .await
             .unwrap();
-        // `held` on the admission q1 is releasing: the release runs after it.
-        let reused = next.fencing_token() == before;
-        let held_at_once = next.is_held();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(
-            !(reused && held_at_once),
-            "round {round}: q2 was handed token {before}, the admission q1 was releasing, as held \
-             (now lost={:?}, backend holds {:?})",
-            next.lost_reason(),
-            q2.status().await.unwrap().holders,
-        );
+        // Either a fresh admission, or, when this acquire took the task's turn before the drop's
+        // background release did, the same admission adopted while still live: the release then
+        // finds it adopted and leaves it. Both are fine; what must never happen is a handle that
+        // says held on an admission the backend has freed. Give a late release time to land.
+        tokio::time::sleep(Duration::from_millis(50)).await;
         let holders = q2.status().await.unwrap().holders;
         let in_backend = holders
             .iter()
             .any(|h| h.fencing_token == next.fencing_token());
         assert!(
-            in_backend || !next.is_held(),
-            "round {round}: q2's handle (token {}, previous {before}) says held, lost={:?}, \
-             the backend holds {holders:?}",
+            next.is_held() && in_backend,
+            "round {round}: q2's handle (token {}, previous {before}) lost={:?}, the backend \
+             holds {holders:?}",
             next.fencing_token(),
             next.lost_reason(),
         );
