@@ -382,8 +382,12 @@ fn a_signal_while_waiting_leaves_no_late_admission_behind() {
     let quota = "interrupted";
     let run_sleep = ["run", "--limit", "1", "--ttl", "30s", "--", "sleep", "30"];
     let mut holder = leasehold(&url, quota);
-    holder.args(run_sleep);
+    holder
+        .args(["run", "--task-id", "holder"])
+        .args(&run_sleep[1..]);
     let mut holder = holder.spawn().unwrap();
+    // Its signal handlers are in place once it holds the slot.
+    wait_held(&server, quota, "holder");
     let mut waiters = Vec::new();
     // Several waiters, interrupted at different moments after the slot frees: some may have an
     // admission on its way when the signal lands.

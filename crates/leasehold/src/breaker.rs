@@ -144,7 +144,8 @@ mod tests {
     fn opens_after_consecutive_failures_and_probes_once_after_the_cool_down() {
         let b = Breaker::new(BreakerConfig {
             failures_to_open: 2,
-            cool_down: Duration::from_millis(20),
+            // Long enough that a preempted test thread (tens of ms) still sees the circuit open.
+            cool_down: Duration::from_millis(200),
         });
         b.failure(Instant::now());
         assert_eq!(b.mode(), BreakerMode::Closed);
@@ -153,13 +154,13 @@ mod tests {
         b.failure(Instant::now());
         assert_eq!(b.mode(), BreakerMode::Open);
         assert_eq!(b.permit(), Permit::Reject);
-        std::thread::sleep(Duration::from_millis(40)); // > 1.5 x cool-down
+        std::thread::sleep(Duration::from_millis(320)); // > 1.5 x cool-down
         assert_eq!(b.mode(), BreakerMode::HalfOpen);
         assert_eq!(b.permit(), Permit::Call, "one probe");
         assert_eq!(b.permit(), Permit::Reject, "only one");
         b.failure(Instant::now()); // the probe failed
         assert_eq!(b.mode(), BreakerMode::Open);
-        std::thread::sleep(Duration::from_millis(40));
+        std::thread::sleep(Duration::from_millis(320));
         assert_eq!(b.permit(), Permit::Call);
         b.success();
         assert_eq!(b.mode(), BreakerMode::Closed);

@@ -365,7 +365,8 @@ async fn waiters_are_served_in_arrival_order(fx: Fixture) {
             order.lock().unwrap().push(i);
             tx.send(lease).unwrap();
         });
-        tokio::time::sleep(Duration::from_millis(30)).await; // a clear arrival order
+        // A clear arrival order: each waiter has made its first attempt and joined the line.
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for _ in 0..5 {
         current.release().await.unwrap();
@@ -565,8 +566,10 @@ async fn cancel_reaches_the_holder_at_its_next_renewal_without_the_message(fx: F
         "cancel-to-observed latency without the message: {latency:?} (heartbeat {heartbeat:?})"
     );
     assert_eq!(reason, LostReason::Cancelled("quota shrink".into()));
+    // At the next renewal, or the one after if one was already under way when the cancel
+    // landed; well before the 2 s a lost message would otherwise cost.
     assert!(
-        latency <= heartbeat + Duration::from_millis(100),
+        latency <= heartbeat * 2 + Duration::from_millis(100),
         "{latency:?}"
     );
 }

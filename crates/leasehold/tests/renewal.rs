@@ -107,13 +107,15 @@ async fn lost_fires_at_the_local_deadline_of_a_lease_adopted_between_beats() {
         eprintln!("round {round}: lost() {late:?} after the local deadline ({reason:?})");
         worst = worst.max(late);
         drop(lease);
-        if worst > Duration::from_millis(100) {
+        if worst > Duration::from_millis(200) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(137 * round % 900)).await;
     }
+    // Two thread wake-ups apart from the deadline on a busy machine; the bug this guards
+    // against fires up to a whole heartbeat (900 ms) late.
     assert!(
-        worst <= Duration::from_millis(50),
+        worst <= Duration::from_millis(200),
         "lost() fired {worst:?} after the local deadline"
     );
 }
