@@ -14,7 +14,8 @@ use clap::{Args, Parser, Subcommand};
 #[command(name = "leasehold", version, propagate_version = true)]
 pub struct Cli {
     /// Redis URL, e.g. redis://:password@127.0.0.1:6379/ or rediss://... Without it, only the
-    /// in-memory backend of this one process exists, which no other process can see.
+    /// in-memory backend of this one process exists, which no other process can see. `demo`
+    /// takes it only from the command line, never from LEASEHOLD_REDIS_URL.
     #[arg(long, global = true, env = "LEASEHOLD_REDIS_URL", value_name = "URL")]
     pub redis: Option<String>,
 
@@ -49,7 +50,9 @@ pub enum Command {
     /// crash: a live page on 127.0.0.1, or a summary table with --headless.
     ///
     /// Needs neither --quota nor --redis: without --redis everything runs in this process; with
-    /// it, the counters are real keys and the lease column a real quota named `demo` there.
+    /// it, the counters are real keys and the lease column a real quota named `demo` there,
+    /// which the demo empties. LEASEHOLD_REDIS_URL is ignored: only --redis on the command line
+    /// moves the demo onto a Redis.
     Demo(DemoArgs),
 }
 
@@ -120,10 +123,12 @@ pub struct DemoArgs {
     /// Mean time a task holds its slot (each holds between half and 1.5 times it).
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
     pub task_duration: Duration,
-    /// Time-lapse factor: every duration, the ttl included, is divided by it.
+    /// Time-lapse factor: every duration, the ttl included, is divided by it (0.1 to 10; at
+    /// most 500 tasks are submitted per second: 0.8 × limit × speed / task duration).
     #[arg(long, default_value_t = 1.0)]
     pub speed: f64,
-    /// Seed of the task schedule: the same seed gives the same tasks and crashes.
+    /// Seed of the task schedule: the same seed gives the same tasks and crashes (at most
+    /// 2^53 - 1, so that the page shows it exactly).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Run without the page and print a summary per semantics.

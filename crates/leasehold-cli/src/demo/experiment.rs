@@ -19,6 +19,9 @@ use super::world::{Sample, World};
 /// How often the columns are sampled (for the page, the summary and the recovery times, which
 /// are therefore up to this much late).
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+/// How long tasks in flight get to finish their call to the store once the experiment is
+/// stopped: a few calls, each bounded by the backend's call timeout (1 s by default).
+const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// The three columns at one instant.
 #[derive(Debug, Clone, Serialize)]
@@ -81,7 +84,11 @@ impl Experiment {
     }
 
     /// Feeds the schedule to the three columns until `until` of running time (forever if
-    /// `None`) or until stopped, then waits for the tasks in flight to end.
+    /// `None`) or until stopped, then waits for the tasks in flight to end. When it returns, no
+    /// task of this run is left: nothing of it can reach the store any more, so a [`clear`]
+    /// after it is final.
+    ///
+    /// [`clear`]: Experiment::clear
     pub async fn drive(&self, until: Option<Duration>) {
         let mut tasks = JoinSet::new();
         for arrival in Schedule::new(&self.params) {
@@ -97,16 +104,32 @@ impl Experiment {
                 tasks.spawn(world.clone().serve(arrival, id.clone(), self.stop.clone()));
             }
         }
-        // Every task ends within its hold (at most 1.5 × the mean) plus a few calls; the bound
-        // only matters if the store stops answering.
-        let bound = self.params.scaled_task() * 2 + Duration::from_secs(10);
-        if tokio::time::timeout(bound, async { while tasks.join_next().await.is_some() {} })
-            .await
-            .is_err()
-        {
-            eprintln!("leasehold demo: tasks still running after {bound:?}; stopping them");
-            tasks.shutdown().await;
+        // Every task ends within its hold (at most 1.5 × the mean) plus a few calls; after a
+        // stop, within the call it is making. Each call is bounded by the backend's call
+        // timeout, so the bounds only matter if that fails.
+        let waiting = Instant::now();
+        let natural = waiting + self.params.scaled_task() * 2 + Duration::from_secs(10);
+        let mut deadline = natural;
+        let mut stopped = false;
+        loop {
+            tokio::select! {
+                joined = tasks.join_next() => if joined.is_none() { return },
+                _ = self.stop.cancelled(), if !stopped => {
+                    stopped = true;
+                    deadline = deadline.min(Instant::now() + STOP_GRACE);
+                }
+                _ = tokio::time::sleep_until(deadline.into()) => break,
+            }
         }
+        // Aborted between two calls, a task may leave a unit counted (an INCR without its
+        // DECR): say so rather than let it pass for a leak of the semantics.
+        eprintln!(
+            "leasehold demo: {} tasks still running after {:?}; stopping them (the counts of \
+             this run may include their slots)",
+            tasks.len(),
+            waiting.elapsed()
+        );
+        tasks.shutdown().await;
     }
 
     /// One sample of the three columns.

@@ -1,6 +1,5 @@
 //! `leasehold demo --headless`: the experiment without a browser, for CI and terminals.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold::Result;
@@ -12,7 +11,8 @@ use super::store::Store;
 /// Extra wait after the drain's ttl + heartbeat, for the last renewal call and one sample.
 const DRAIN_MARGIN: Duration = Duration::from_millis(300);
 
-/// What a headless run saw.
+/// What a headless run saw: only what the summary needs, so that memory does not grow with
+/// `--duration`.
 #[derive(Debug, Clone)]
 pub struct Outcome {
     /// The settings.
@@ -21,17 +21,8 @@ pub struct Outcome {
     pub duration: Duration,
     /// How long the run waited after the last task ended.
     pub drain: Duration,
-    /// Every sample, the last one taken after the drain.
-    pub frames: Vec<Frame>,
-}
-
-impl Outcome {
-    /// The sample taken at the end.
-    pub fn last(&self) -> &Frame {
-        self.frames
-            .last()
-            .expect("a run takes at least its final sample")
-    }
+    /// The sample taken at the end, after the drain (its totals cover the whole run).
+    pub last: Frame,
 }
 
 /// The wait after the last task ended: long enough for every crashed lease to expire (one ttl
@@ -42,31 +33,33 @@ pub fn drain(params: &Params) -> Duration {
 }
 
 /// Submits tasks for `duration`, lets the tasks in flight end, waits [`drain`], and returns the
-/// samples.
-pub async fn run(params: Params, store: &Store, duration: Duration) -> Result<Outcome> {
-    let experiment = Arc::new(Experiment::new(params.clone(), store).await?);
+/// last sample. Every sample, the last one included, is shown to `watch` as it is taken (the
+/// tests check the whole series; the command line keeps none).
+pub async fn run(
+    params: Params,
+    store: &Store,
+    duration: Duration,
+    mut watch: impl FnMut(&Frame),
+) -> Result<Outcome> {
+    let experiment = Experiment::new(params.clone(), store).await?;
     experiment.clock().run();
-    let sampler = {
-        let experiment = experiment.clone();
-        tokio::spawn(async move {
-            let mut frames = Vec::new();
-            experiment
-                .sample_until_stopped(|frame| frames.push(frame))
-                .await;
-            frames
-        })
-    };
-    experiment.drive(Some(duration)).await;
     let drain = drain(&params);
-    tokio::time::sleep(drain).await;
-    let last = experiment.sample().await;
-    experiment.stop();
-    let mut frames = sampler.await.unwrap_or_default();
-    frames.push(last);
+    let driven = async {
+        experiment.drive(Some(duration)).await;
+        tokio::time::sleep(drain).await;
+        let last = experiment.sample().await;
+        experiment.stop();
+        last
+    };
+    let ((), last) = tokio::join!(
+        experiment.sample_until_stopped(|frame| watch(&frame)),
+        driven
+    );
+    watch(&last);
     Ok(Outcome {
         params,
         duration,
         drain,
-        frames,
+        last,
     })
 }

@@ -16,7 +16,7 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::broadcast::error::RecvError;
 
-use super::controller::Controller;
+use super::controller::{Controller, Refusal};
 use super::params::Params;
 
 const INDEX_HTML: &str = include_str!("assets/index.html");
@@ -66,8 +66,11 @@ async fn asset(content_type: &'static str, body: &'static str) -> impl IntoRespo
 
 type Reply = Result<Json<Value>, (StatusCode, String)>;
 
-fn reply(result: Result<Value, String>) -> Reply {
-    result.map(Json).map_err(|e| (StatusCode::BAD_REQUEST, e))
+fn reply(result: Result<Value, Refusal>) -> Reply {
+    result.map(Json).map_err(|refusal| match refusal {
+        Refusal::Invalid(e) => (StatusCode::BAD_REQUEST, e),
+        Refusal::Store(e) => (StatusCode::SERVICE_UNAVAILABLE, e),
+    })
 }
 
 async fn start(State(c): State<Arc<Controller>>, Json(params): Json<Params>) -> Reply {
@@ -85,19 +88,29 @@ async fn reset(State(c): State<Arc<Controller>>, Json(params): Json<Params>) -> 
 async fn events(
     State(c): State<Arc<Controller>>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    let (hello, receiver) = c.subscribe().await;
+    Sse::new(stream_of(c)).keep_alive(KeepAlive::default())
+}
+
+/// What one page receives: a hello (the state and recent frames), then every message as it is
+/// sent.
+pub fn stream_of(c: Arc<Controller>) -> impl Stream<Item = Result<Event, Infallible>> {
+    let (hello, receiver) = c.subscribe();
     let first = stream::once(async move { Ok(Event::default().event("hello").data(hello)) });
-    let rest = stream::unfold(receiver, |mut receiver| async move {
-        loop {
-            match receiver.recv().await {
-                Ok((name, data)) => {
-                    return Some((Ok(Event::default().event(name).data(&*data)), receiver));
-                }
-                // A page too slow to keep up skips frames; the next one redraws everything.
-                Err(RecvError::Lagged(_)) => continue,
-                Err(RecvError::Closed) => return None,
+    let rest = stream::unfold((c, receiver), |(c, mut receiver)| async move {
+        match receiver.recv().await {
+            Ok((name, data)) => {
+                let event = Event::default().event(name).data(&*data);
+                Some((Ok(event), (c, receiver)))
             }
+            // A page too slow to keep up missed messages, maybe a state change (a reset) as
+            // well as frames: it starts over from a fresh hello, as a page that just opened.
+            Err(RecvError::Lagged(_)) => {
+                let (hello, receiver) = c.subscribe();
+                let event = Event::default().event("hello").data(hello);
+                Some((Ok(event), (c, receiver)))
+            }
+            Err(RecvError::Closed) => None,
         }
     });
-    Sse::new(first.chain(rest)).keep_alive(KeepAlive::default())
+    first.chain(rest)
 }

@@ -29,6 +29,8 @@ pub struct Row {
     pub count_at_end: i64,
     /// Lowest available capacity sampled.
     pub min_available: i64,
+    /// Arrivals not submitted because the store fell behind (0 unless it did).
+    pub shed: u64,
     /// The longest time a crashed slot stayed counted; `None` when one never came back (or
     /// nothing crashed: see `crashes`).
     pub time_to_recover: Option<Duration>,
@@ -48,6 +50,7 @@ impl Row {
             leaked_at_end: sample.crashed,
             count_at_end: sample.counted,
             min_available: t.min_available.unwrap_or(sample.available),
+            shed: t.shed,
             time_to_recover: (sample.crashed == 0)
                 .then_some(t.max_recovery_ms)
                 .flatten()
@@ -66,7 +69,7 @@ impl Row {
 
 /// The rows of a run, in column order.
 pub fn rows(outcome: &Outcome) -> Vec<Row> {
-    outcome.last().worlds.iter().map(Row::of).collect()
+    outcome.last.worlds.iter().map(Row::of).collect()
 }
 
 fn settings_line(outcome: &Outcome, store: &str) -> String {
@@ -138,7 +141,28 @@ pub fn table(outcome: &Outcome, store: &str) -> String {
          {:?}); never = a slot leaked for good.\n",
         SAMPLE_EVERY
     ));
+    if let Some(shed) = shed_line(outcome) {
+        out.push_str(&format!("\n{shed}\n"));
+    }
     out
+}
+
+/// A warning when the store fell behind and some column did not get every task: its figures
+/// then cover fewer tasks than the others', which the table must not hide.
+fn shed_line(outcome: &Outcome) -> Option<String> {
+    let rows = rows(outcome);
+    if rows.iter().all(|r| r.shed == 0) {
+        return None;
+    }
+    let each: Vec<String> = rows
+        .iter()
+        .map(|r| format!("{} {}", r.semantics, r.shed))
+        .collect();
+    Some(format!(
+        "WARNING: the store fell behind the schedule and arrivals were shed (not submitted): {}. \
+         The columns did not get the same tasks; lower the speed or the limit.",
+        each.join(", ")
+    ))
 }
 
 /// The summary as one JSON object.
@@ -157,6 +181,7 @@ pub fn json(outcome: &Outcome, store: &str) -> Value {
                 "count_at_end": r.count_at_end,
                 "min_available": r.min_available,
                 "time_to_recover_ms": r.time_to_recover.map(|d| d.as_millis() as u64),
+                "shed": r.shed,
             })
         })
         .collect();

@@ -1,20 +1,33 @@
 //! One column of the experiment: a semantics, the tasks it admitted, and what it saw.
 //!
-//! Admissions, ends and samples of one column are serialised by one lock, so that the number
-//! of running tasks and the limiter's count are always read as a consistent pair: a sample
-//! never catches a task between its `INCR` and its start, which would show a leak or an
-//! over-admission that never happened.
+//! A column admits one task at a time, as one well-behaved client would (a fleet racing its
+//! `INCR`s would only make the counters look worse). Its bookkeeping sits behind a plain mutex
+//! that is never held across a call to the store: a slow admission must not hold up the end of
+//! another task or a sample (on Redis that once queued every later task behind it, without
+//! bound). Instead, the order of the steps keeps a sample honest: a task counts as running only
+//! after the limiter counted its slot, and stops counting as running before it gives the slot
+//! back, so a sample never sees a running task on a slot that the limiter no longer counts
+//! (which would look like a crashed slot coming back). The other way round (a slot counted for a
+//! task not yet, or no longer, running) only delays the moment a crashed slot is seen back, by
+//! one call.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use serde::Serialize;
-use tokio::sync::Mutex;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use super::schedule::Arrival;
 use super::semantics::{Kind, Limiter, Observed};
+
+/// Admissions a column may have waiting for their turn or for the store at once. An arrival
+/// beyond it is shed (counted, not submitted) rather than queued: a store that falls behind the
+/// schedule would otherwise pile up tasks, and memory, without end. The schedule's rate is
+/// capped ([`super::params::MAX_ARRIVALS_PER_SEC`]) so that a healthy store sheds nothing; at
+/// that rate this is about half a second of a stalled store.
+pub const MAX_PENDING: usize = 256;
 
 /// Running totals of one column.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -39,6 +52,9 @@ pub struct Tally {
     pub lost: u64,
     /// Backend calls that failed.
     pub errors: u64,
+    /// Arrivals not submitted because [`MAX_PENDING`] admissions were already waiting for the
+    /// store: this column did not get those tasks (0 unless the store falls behind).
+    pub shed: u64,
 }
 
 /// One column at one instant.
@@ -62,6 +78,8 @@ pub struct Sample {
 #[derive(Debug, Default)]
 struct State {
     running: u32,
+    /// The fewest tasks running since the current sample began to read the limiter.
+    low_water: u32,
     last_counted: i64,
     tally: Tally,
     /// Crashed tasks still counted, oldest first, with the instant of the crash.
@@ -80,14 +98,22 @@ impl State {
         }
     }
 
+    /// A task ended (normally, by a crash, or by losing its lease).
+    fn ended(&mut self) {
+        self.running -= 1;
+        self.low_water = self.low_water.min(self.running);
+    }
+
     fn recovered(&mut self, crashed_at: Instant, now: Instant) {
         let ms = now.duration_since(crashed_at).as_millis() as u64;
         self.tally.recovered += 1;
         self.tally.max_recovery_ms = Some(self.tally.max_recovery_ms.unwrap_or(0).max(ms));
     }
 
-    /// Settles which crashed slots came back, from what the limiter counts now.
-    fn reclaim(&mut self, observed: &Observed, now: Instant) {
+    /// Settles which crashed slots came back, from what the limiter counts now. `running` is a
+    /// number of tasks whose slots `observed` certainly includes: the fewest running while the
+    /// limiter was read.
+    fn reclaim(&mut self, observed: &Observed, running: u32, now: Instant) {
         let still: Vec<bool> = match &observed.holders {
             // The lease knows its holders by name: a crashed task is back when its id is gone.
             Some(ids) => self
@@ -98,7 +124,7 @@ impl State {
             // A counter is anonymous: whatever it counts beyond the running tasks is what the
             // crashed ones still hold, and when that shrinks the oldest crashes count as back.
             None => {
-                let phantom = (observed.counted - i64::from(self.running)).max(0) as usize;
+                let phantom = (observed.counted - i64::from(running)).max(0) as usize;
                 let gone = self.crashed.len().saturating_sub(phantom);
                 (0..self.crashed.len()).map(|i| i >= gone).collect()
             }
@@ -124,6 +150,12 @@ pub struct World {
     limit: u32,
     limiter: Limiter,
     state: Mutex<State>,
+    /// Permits for admissions waiting for the store ([`MAX_PENDING`]).
+    pending: Semaphore,
+    /// One admission at a time; ends and samples never wait for it.
+    admitting: tokio::sync::Mutex<()>,
+    /// One sample at a time, so that each has the low-water mark to itself.
+    sampling: tokio::sync::Mutex<()>,
 }
 
 impl World {
@@ -134,6 +166,9 @@ impl World {
             limit,
             limiter,
             state: Mutex::new(State::default()),
+            pending: Semaphore::new(MAX_PENDING),
+            admitting: tokio::sync::Mutex::new(()),
+            sampling: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -142,12 +177,36 @@ impl World {
         &self.limiter
     }
 
+    /// The bookkeeping, for a moment: never held across an `.await`.
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Runs task `id` of `arrival`: asks for a slot, holds it, then gives it back or crashes.
-    /// Returns early, giving nothing back, when `stop` fires (the experiment was reset).
+    /// When `stop` fires (the experiment was reset), a task not yet started does nothing and a
+    /// task holding a slot returns at once without giving it back; a call to the store under
+    /// way is finished, so that once every task has returned nothing of this run is still on
+    /// its way to the store.
     pub async fn serve(self: Arc<Self>, arrival: Arrival, id: String, stop: CancellationToken) {
+        if stop.is_cancelled() {
+            return;
+        }
+        let Ok(permit) = self.pending.try_acquire() else {
+            self.state().tally.shed += 1;
+            return;
+        };
+        let taken = {
+            let _turn = self.admitting.lock().await;
+            // A reset while this task waited its turn: it never reaches the store.
+            if stop.is_cancelled() {
+                return;
+            }
+            self.limiter.take(&id).await
+        };
+        drop(permit);
         let hold = {
-            let mut state = self.state.lock().await;
-            match self.limiter.take(&id).await {
+            let mut state = self.state();
+            match taken {
                 Ok(Some(hold)) => {
                     state.running += 1;
                     state.tally.admitted += 1;
@@ -172,25 +231,44 @@ impl World {
             _ = hold.lost() => true,
             _ = stop.cancelled() => return,
         };
-        let mut state = self.state.lock().await;
-        state.running -= 1;
-        if lost {
-            state.tally.lost += 1;
-        } else if arrival.crash {
-            state.tally.crashes += 1;
-            self.limiter.crash(hold);
-            state.crashed.push_back((id, Instant::now()));
-        } else if let Err(e) = self.limiter.give_back(hold).await {
-            state.error(self.kind, e);
+        {
+            let mut state = self.state();
+            state.ended();
+            if lost {
+                state.tally.lost += 1;
+                return;
+            }
+            if arrival.crash {
+                state.tally.crashes += 1;
+                self.limiter.crash(hold);
+                state.crashed.push_back((id, Instant::now()));
+                return;
+            }
         }
+        if let Err(e) = self.limiter.give_back(hold).await {
+            self.state().error(self.kind, e);
+        }
+    }
+
+    /// The totals so far, without a call to the store.
+    #[cfg(test)]
+    pub fn tally(&self) -> Tally {
+        self.state().tally.clone()
     }
 
     /// Reads the limiter and the running tasks as one consistent sample.
     pub async fn sample(&self) -> Sample {
-        let mut state = self.state.lock().await;
-        match self.limiter.observe().await {
+        let _one_at_a_time = self.sampling.lock().await;
+        {
+            let mut state = self.state();
+            state.low_water = state.running;
+        }
+        let observed = self.limiter.observe().await;
+        let mut state = self.state();
+        match observed {
             Ok(observed) => {
-                state.reclaim(&observed, Instant::now());
+                let running = state.low_water;
+                state.reclaim(&observed, running, Instant::now());
                 state.last_counted = observed.counted;
                 let available = i64::from(self.limit) - observed.counted;
                 let min = state
@@ -234,7 +312,7 @@ mod tests {
             counted: 2,
             holders: Some(holders),
         };
-        s.reclaim(&observed, t0 + Duration::from_millis(700));
+        s.reclaim(&observed, 0, t0 + Duration::from_millis(700));
         assert_eq!(
             s.crashed
                 .iter()
@@ -250,13 +328,13 @@ mod tests {
     fn a_counter_gives_back_the_oldest_crashes_when_its_count_shrinks() {
         let t0 = Instant::now();
         let mut s = state_with_crashes(&["a", "b", "c"], t0);
-        s.running = 4;
         // 4 running + 3 crashed = 7 counted: nothing came back.
         s.reclaim(
             &Observed {
                 counted: 7,
                 holders: None,
             },
+            4,
             t0,
         );
         assert_eq!(s.crashed.len(), 3);
@@ -266,6 +344,7 @@ mod tests {
                 counted: 1,
                 holders: None,
             },
+            4,
             t0 + Duration::from_secs(2),
         );
         assert!(s.crashed.is_empty());

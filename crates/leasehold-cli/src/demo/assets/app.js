@@ -12,6 +12,9 @@ const STATS = [
   ["recovered", "reclaimed"],
 ];
 const SVG = "http://www.w3.org/2000/svg";
+// The largest seed the server takes: 2^53 - 1, the largest integer a page reads exactly, so a
+// seed shown here is the seed that ran.
+const MAX_SEED = Number.MAX_SAFE_INTEGER;
 
 let frames = [];
 let state = null;
@@ -82,9 +85,20 @@ async function post(path, body) {
   }
 }
 
-$("start").addEventListener("click", () => post("/api/start", controlsToParams()));
+// A seed above 2^53 - 1 would reach the server rounded to another number: refuse it here,
+// with the same bound the server checks.
+function postSettings(path) {
+  const params = controlsToParams();
+  if (!Number.isSafeInteger(params.seed) || params.seed < 0 || params.seed > MAX_SEED) {
+    hint("seed must be a whole number from 0 to " + MAX_SEED + " (2^53 - 1)", true);
+    return;
+  }
+  post(path, params);
+}
+
+$("start").addEventListener("click", () => postSettings("/api/start"));
 $("pause").addEventListener("click", () => post("/api/pause"));
-$("reset").addEventListener("click", () => post("/api/reset", controlsToParams()));
+$("reset").addEventListener("click", () => postSettings("/api/reset"));
 
 function el(name, attrs, parent) {
   const node = document.createElementNS(SVG, name);
@@ -130,7 +144,9 @@ function drawGrid(col, s, limit) {
   const note = col.querySelector(".gridnote");
   note.innerHTML = s
     ? "count <b>" + s.counted + "</b> · available <b>" + s.available + "</b> · running <b>" +
-      running + "</b> · held by crashed <b>" + crashed + "</b>"
+      running + "</b> · held by crashed <b>" + crashed + "</b>" +
+      (s.shed ? ' · <span class="alert" title="arrivals not submitted because the store fell ' +
+        'behind: this column did not get every task">shed <b>' + s.shed + "</b></span>" : "")
     : "count <b>0</b> · available <b>" + limit + "</b>";
 }
 
@@ -187,11 +203,13 @@ function render() {
       running: data.running,
       crashed: data.crashed,
       recovered: data.recovered,
+      shed: data.shed || 0,
     });
   });
 }
 
 const events = new EventSource("/events");
+// The first message, and again if this page fell too far behind: a fresh start either way.
 events.addEventListener("hello", (e) => {
   const hello = JSON.parse(e.data);
   frames = hello.history;
