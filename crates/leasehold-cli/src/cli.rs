@@ -37,8 +37,8 @@ pub enum Command {
     ///
     /// COMMAND gets LEASEHOLD_QUOTA, LEASEHOLD_TASK_ID and LEASEHOLD_FENCING_TOKEN in its
     /// environment and runs in its own process group. leasehold exits with COMMAND's exit code
-    /// (128+N if killed by signal N). If the lease is lost or the task cancelled, COMMAND gets
-    /// SIGTERM, then SIGKILL after --grace.
+    /// (or ends by the signal that killed it). If the lease is lost or the task cancelled,
+    /// COMMAND gets SIGTERM, then SIGKILL after --grace.
     Run(RunArgs),
     /// Show the holders of a quota.
     Status(StatusArgs),

@@ -3,16 +3,24 @@
 //! when `leasehold run` itself dies.
 //!
 //! The command runs in its own process group, so a signal reaches the whole tree it starts.
-//! Three things follow, and each would let the command run without a slot:
+//! Three things follow, and each would let the command run without a slot or hold one forever:
 //! * a terminal sends Ctrl-C, Ctrl-\ and Ctrl-Z only to its foreground group, and lets only that
-//!   group read: when `leasehold run` is in the foreground it hands the terminal to the command's
-//!   group (a command reading stdin would otherwise stop on SIGTTIN and hold its slot forever);
+//!   group read: when `leasehold run` is a foreground job of its own (alone in its group, as an
+//!   interactive shell starts a command), it hands the terminal to the command's group. It does
+//!   not when it shares its group (a pipeline, a script), which would take the terminal from the
+//!   others;
 //! * a stop of one group does not stop the other: a job-control stop of either (SIGTSTP,
-//!   SIGTTIN, SIGTTOU) stops both, and on continue the command is continued only if the lease
-//!   is still held (renewals stop while `leasehold run` is stopped);
+//!   SIGTTIN, SIGTTOU, and any stop of a command that holds the terminal) stops both, and on
+//!   continue the command is continued only if the lease is still held (renewals stop while
+//!   `leasehold run` is stopped);
 //! * nothing ties the command's life to `leasehold run`: the command gets SIGKILL when the thread
 //!   that started it ends (`PR_SET_PDEATHSIG`), so a SIGKILLed or crashed `leasehold run` leaves
-//!   no command running on an expired lease.
+//!   no command running on an expired lease. (The kernel clears that signal when the command
+//!   changes its credentials: `sudo`, `setpriv`, a setuid program.)
+//!
+//! `leasehold run` ignores SIGTTOU itself: with `stty tostop`, its own lines on stderr from the
+//! background would otherwise stop it (while its command runs on) or, caught, restart the write
+//! forever. Its command gets the default back.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 
@@ -33,9 +41,12 @@ const FORWARDED: [i32; 7] = [
     libc::SIGALRM,
 ];
 
-/// Job-control stops: caught, so that the command stops with `leasehold run` instead of running
-/// on while renewals are stopped.
-const STOPPING: [i32; 3] = [libc::SIGTSTP, libc::SIGTTIN, libc::SIGTTOU];
+/// Job-control stops sent to `leasehold run`: caught, so that the command stops with it instead
+/// of running on while renewals are stopped. (SIGTTOU is ignored instead: see the module doc.)
+const STOPPING: [i32; 2] = [libc::SIGTSTP, libc::SIGTTIN];
+
+/// Stops of the command that stop the whole job.
+const JOB_CONTROL_STOPS: [i32; 3] = [libc::SIGTSTP, libc::SIGTTIN, libc::SIGTTOU];
 
 /// What a signal asks of `leasehold run`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,10 +62,15 @@ pub enum Event {
 /// The signals `leasehold run` listens to, installed before anything is spawned.
 pub struct Signals {
     streams: Vec<(Event, Signal)>,
+    /// SIGTTOU was ignored when we started (so the command inherits it ignored).
+    ttou_inherited_ignored: bool,
 }
 
 impl Signals {
     pub fn install() -> Result<Self, Failure> {
+        let ttou_inherited_ignored = ignored(libc::SIGTTOU);
+        // SAFETY: signal(2) setting a disposition, before any other thread could rely on it.
+        unsafe { libc::signal(libc::SIGTTOU, libc::SIG_IGN) };
         let mut streams = Vec::new();
         let wanted = FORWARDED
             .iter()
@@ -70,7 +86,15 @@ impl Signals {
             })?;
             streams.push((event, stream));
         }
-        Ok(Signals { streams })
+        Ok(Signals {
+            streams,
+            ttou_inherited_ignored,
+        })
+    }
+
+    /// True if the command must get SIGTTOU's default back (we ignore it only for ourselves).
+    pub fn restore_ttou(&self) -> bool {
+        !self.ttou_inherited_ignored
     }
 
     /// The next signal received.
@@ -100,27 +124,28 @@ fn ignored(sig: i32) -> bool {
     }
 }
 
-/// The controlling terminal, held while this process's group is its foreground group.
+/// The controlling terminal of `leasehold run`, if it has one.
 pub struct Terminal {
     fd: OwnedFd,
 }
 
 impl Terminal {
-    /// The controlling terminal if this process's group owns it (an interactive `leasehold run`
-    /// in the foreground), `None` otherwise (a pipeline stage in the background, a service).
-    pub fn if_foreground() -> Option<Terminal> {
+    /// The controlling terminal, or `None` (a service, a cron job).
+    pub fn controlling() -> Option<Terminal> {
         let fd = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open("/dev/tty")
             .ok()?;
-        let terminal = Terminal { fd: fd.into() };
-        terminal.is_ours().then_some(terminal)
+        Some(Terminal { fd: fd.into() })
     }
 
-    /// True while this process's group is the terminal's foreground group.
-    pub fn is_ours(&self) -> bool {
-        self.is_held_by(own_group())
+    /// True when `leasehold run` may hand the terminal to its command now: its group is the
+    /// terminal's foreground group and it is alone in it, as a job an interactive shell started.
+    /// Sharing its group (a pipeline's other stages, the script that runs it), it keeps out:
+    /// the others would lose the terminal, and a script its Ctrl-C.
+    pub fn may_hand_over(&self) -> bool {
+        self.is_held_by(own_group()) && alone_in_own_group()
     }
 
     /// True while `pgrp` is the terminal's foreground group.
@@ -139,6 +164,40 @@ impl Terminal {
         // SAFETY: signal-mask calls on this thread and tcsetpgrp on a descriptor we own.
         unsafe { foreground(self.fd.as_raw_fd(), pgrp) };
     }
+}
+
+/// True if this process leads its process group and no other process is in it.
+fn alone_in_own_group() -> bool {
+    // SAFETY: getpid(2) cannot fail.
+    let me = unsafe { libc::getpid() };
+    let group = own_group();
+    if group != me {
+        return false;
+    }
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if pid != me && process_group_of(pid) == Some(group) {
+            return false;
+        }
+    }
+    true
+}
+
+/// The process group of `pid`, from `/proc/<pid>/stat` (fields after the command name: state,
+/// parent, group).
+fn process_group_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(2)?.parse().ok()
 }
 
 /// Makes `pgrp` the foreground group of the terminal `fd`, from a foreground or background
@@ -162,7 +221,11 @@ unsafe fn foreground(fd: i32, pgrp: i32) {
 /// Only async-signal-safe calls happen in the child. `PR_SET_PDEATHSIG` fires when the *thread*
 /// that forked ends: `leasehold run` starts the command from the main thread, which lives as long
 /// as the process.
-pub fn prepare(command: &mut tokio::process::Command, terminal_fd: Option<i32>) {
+pub fn prepare(
+    command: &mut tokio::process::Command,
+    terminal_fd: Option<i32>,
+    restore_ttou: bool,
+) {
     // SAFETY: getpid(2) only.
     let parent = unsafe { libc::getpid() };
     let setup = move || -> std::io::Result<()> {
@@ -179,6 +242,9 @@ pub fn prepare(command: &mut tokio::process::Command, terminal_fd: Option<i32>) 
             if let Some(fd) = terminal_fd {
                 foreground(fd, libc::getpgrp());
             }
+            if restore_ttou {
+                libc::signal(libc::SIGTTOU, libc::SIG_DFL);
+            }
         }
         Ok(())
     };
@@ -188,10 +254,9 @@ pub fn prepare(command: &mut tokio::process::Command, terminal_fd: Option<i32>) 
     }
 }
 
-/// True if the child `pid` was stopped by a job-control signal (SIGTSTP, SIGTTIN, SIGTTOU) since
-/// the last look. A stop by SIGSTOP is someone's explicit choice for the command alone and is
-/// not mirrored. Exits are left to the `Child`'s own wait.
-pub fn stopped_by_job_control(pid: i32) -> bool {
+/// The signal that stopped the child `pid` since the last look, if it stopped. Exits are left to
+/// the `Child`'s own wait.
+pub fn stopped_by(pid: i32) -> Option<i32> {
     // SAFETY: waitid(2) with WSTOPPED | WNOHANG reports (and consumes) only a stop, never an
     // exit, so the child stays reapable by its `Child` handle.
     unsafe {
@@ -202,7 +267,47 @@ pub fn stopped_by_job_control(pid: i32) -> bool {
             &mut info,
             libc::WSTOPPED | libc::WNOHANG,
         );
-        found == 0 && info.si_pid() == pid && STOPPING.contains(&info.si_status())
+        (found == 0 && info.si_pid() == pid).then(|| info.si_status())
+    }
+}
+
+/// True if a stop of the command by `sig` stops the job: a job-control stop always; any stop
+/// (SIGSTOP too, e.g. bash's `suspend`) while the command holds the terminal, since the shell
+/// then cannot get it back. A SIGSTOP of a command in the background is someone's choice for the
+/// command alone.
+pub fn stops_the_job(sig: i32, command_holds_terminal: bool) -> bool {
+    JOB_CONTROL_STOPS.contains(&sig) || command_holds_terminal
+}
+
+/// True if `pid` is stopped now (state `T`).
+pub fn is_stopped(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let rest = stat[stat.rfind(')')? + 1..].trim_start().to_owned();
+            rest.chars().next()
+        })
+        .is_some_and(|state| state == 'T')
+}
+
+/// Ends this process by `sig`, as its command was ended, so a shell or a script sees what it
+/// would have seen without `leasehold run` (bash stops a loop on a child killed by SIGINT, not
+/// on one that exited 130). No core file is written. Returns only if `sig` did not end it.
+pub fn die_by(sig: i32) {
+    // SAFETY: plain system calls on this process; the slot is released and the terminal given
+    // back before this is called.
+    unsafe {
+        let no_core = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        libc::setrlimit(libc::RLIMIT_CORE, &no_core);
+        libc::signal(sig, libc::SIG_DFL);
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, sig);
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+        libc::kill(libc::getpid(), sig);
     }
 }
 

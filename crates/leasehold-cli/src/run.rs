@@ -4,7 +4,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use leasehold::{Error, Lease, LostReason, Quota};
+use leasehold::{Lease, LostReason, Quota};
 use tokio::process::{Child, Command};
 
 use crate::cli::RunArgs;
@@ -39,6 +39,7 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
                 event = signals.next() => match event {
                     Event::Forward(sig) => {
                         give_back_unclaimed(&quota, &task_id, generated).await;
+                        job::die_by(sig);
                         return Ok(128 + sig);
                     }
                     // Nothing holds a slot yet: stop, and wait on once continued.
@@ -54,8 +55,19 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             lease.fencing_token()
         );
     }
-    let terminal = Terminal::if_foreground();
-    let mut child = match spawn(&args, &quota, &lease, terminal.as_ref()) {
+    if !lease.is_held() {
+        // Admitted, but its local deadline passed before we could start (a stop, a slow reply):
+        // the slot may be someone else's already.
+        let _ = lease.release().await;
+        eprintln!(
+            "leasehold: {}; the command was not started",
+            LostReason::LocalDeadline
+        );
+        return Ok(exit::LEASE_LOST);
+    }
+    let terminal = Terminal::controlling();
+    let hand_over = terminal.as_ref().filter(|t| t.may_hand_over());
+    let mut child = match spawn(&args, &quota, &lease, hand_over, signals.restore_ttou()) {
         Ok(child) => child,
         Err(failure) => {
             // The process exits right after this: a release left to the lease's drop would
@@ -70,7 +82,7 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
                 pid: pid as i32,
                 terminal: terminal.as_ref(),
             };
-            if let Some(terminal) = job.terminal {
+            if let Some(terminal) = hand_over {
                 terminal.give_to(job.pid);
             }
             let outcome = supervise(&mut child, &job, &lease, &mut signals, args.grace).await;
@@ -93,18 +105,30 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
         // Only in case the backend still has it (a token-guarded release cannot touch a
         // successor). Its failure is no news: the lease is already gone for us, and the error
         // line that matters is the loss.
-        Ok(Outcome::Lost(_)) => {
+        Ok(Outcome::Lost(_) | Outcome::StoppedTooLong) => {
             let _ = lease.release().await;
         }
     }
     match outcome? {
-        Outcome::Exited(status) => Ok(exit_code(status)),
+        Outcome::Exited(status) => {
+            if let Some(sig) = status.signal() {
+                job::die_by(sig);
+            }
+            Ok(exit_code(status))
+        }
         Outcome::Lost(reason) => {
             eprintln!("leasehold: {reason}; the command was stopped");
             Ok(match reason {
                 LostReason::Cancelled(_) => exit::CANCELLED,
                 _ => exit::LEASE_LOST,
             })
+        }
+        Outcome::StoppedTooLong => {
+            eprintln!(
+                "leasehold: the job was stopped for longer than the lease lasts; the lease is \
+                 lost and the command was ended"
+            );
+            Ok(exit::LEASE_LOST)
         }
     }
 }
@@ -125,11 +149,14 @@ async fn give_back_unclaimed(quota: &Quota, task_id: &str, generated: bool) {
     if !generated {
         return;
     }
-    // A short pause lets an attempt still queued in this process go out before the release;
-    // the whole give-back is bounded (a call times out after 1 s).
+    // An attempt still queued in this process, or whose reply is late on a busy machine, may
+    // admit after a first release: release again a few times as they would land. The whole
+    // give-back is bounded (a call times out after 1 s).
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        quota.force_release(task_id).await
+        for pause in [50, 150, 300] {
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+            let _ = quota.force_release(task_id).await;
+        }
     })
     .await;
 }
@@ -140,13 +167,8 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
         Some(d) if d.is_zero() => quota.try_acquire(task_id).await,
         Some(d) => quota.acquire_timeout(task_id, d).await,
     };
-    result.map_err(|e| match e {
-        Error::Full { .. } | Error::TimedOut { .. } => Failure::new(
-            exit::NO_SLOT,
-            format!("no slot in quota {:?}: {e}", quota.name()),
-        ),
-        other => other.into(),
-    })
+    // `Full` and `TimedOut` map to exit 75 (no slot) and already name the quota.
+    result.map_err(Failure::from)
 }
 
 fn spawn(
@@ -154,6 +176,7 @@ fn spawn(
     quota: &Quota,
     lease: &Lease,
     terminal: Option<&Terminal>,
+    restore_ttou: bool,
 ) -> Result<Child, Failure> {
     let (program, rest) = args
         .command
@@ -168,7 +191,7 @@ fn spawn(
         // Its own group, so a signal reaches the whole tree the command starts.
         .process_group(0)
         .kill_on_drop(true);
-    job::prepare(&mut command, terminal.map(Terminal::raw_fd));
+    job::prepare(&mut command, terminal.map(Terminal::raw_fd), restore_ttou);
     command.spawn().map_err(|e| {
         let code = match e.kind() {
             std::io::ErrorKind::NotFound => exit::NOT_FOUND,
@@ -184,19 +207,33 @@ fn spawn(
 enum Outcome {
     Exited(ExitStatus),
     Lost(LostReason),
+    /// The job was stopped (Ctrl-Z) past the lease's local deadline: the command was ended
+    /// instead of continued.
+    StoppedTooLong,
 }
 
-/// The command's process (also its process group) and the terminal it was given, if any.
+/// The command's process (also its process group) and the controlling terminal, if any.
 struct Job<'t> {
     pid: i32,
     terminal: Option<&'t Terminal>,
+}
+
+impl Job<'_> {
+    fn holds_terminal(&self) -> bool {
+        self.terminal.is_some_and(|t| t.is_held_by(self.pid))
+    }
+
+    /// True if the command stopped since the last look in a way that stops the whole job.
+    fn stopped(&self) -> bool {
+        job::stopped_by(self.pid).is_some_and(|sig| job::stops_the_job(sig, self.holds_terminal()))
+    }
 }
 
 fn wait_error(e: std::io::Error) -> Failure {
     Failure::new(exit::SOFTWARE, format!("waiting for the command: {e}"))
 }
 
-/// How often the command is checked for a job-control stop besides SIGCHLD.
+/// How often the command is checked for a stop besides SIGCHLD.
 const STOP_CHECK: Duration = Duration::from_millis(250);
 
 async fn supervise(
@@ -214,18 +251,17 @@ async fn supervise(
                 // Ours to pass on; the slot is released after the command exits.
                 Event::Forward(sig) => { job::signal_group(job.pid, sig); false }
                 Event::Stop => true,
-                Event::Child => job::stopped_by_job_control(job.pid),
+                Event::Child => job.stopped(),
             },
-            _ = stop_check.tick() => job::stopped_by_job_control(job.pid),
+            _ = stop_check.tick() => job.stopped(),
             reason = lease.lost() => {
                 terminate(child, job.pid, grace).await.map_err(wait_error)?;
                 return Ok(Outcome::Lost(reason));
             }
         };
-        if stop && !suspend(job, lease) {
-            let reason = lease.lost_reason().unwrap_or(LostReason::LocalDeadline);
+        if stop && !suspend(job, lease).await {
             terminate(child, job.pid, grace).await.map_err(wait_error)?;
-            return Ok(Outcome::Lost(reason));
+            return Ok(Outcome::StoppedTooLong);
         }
     }
 }
@@ -233,16 +269,25 @@ async fn supervise(
 /// Stops the whole job, command first, until the shell continues it; then continues the
 /// command if the lease is still held, and returns whether it is. Renewals stop meanwhile, so a
 /// long stop ends the lease and the command is not let run again.
-fn suspend(job: &Job<'_>, lease: &Lease) -> bool {
+async fn suspend(job: &Job<'_>, lease: &Lease) -> bool {
+    let already = job::is_stopped(job.pid);
     job::signal_group(job.pid, libc::SIGSTOP);
+    if !already {
+        // Take the report of our own SIGSTOP now, so it is not mistaken later for a new stop
+        // (bounded: the command may exit instead).
+        let end = tokio::time::Instant::now() + Duration::from_millis(200);
+        while job::stopped_by(job.pid).is_none() && tokio::time::Instant::now() < end {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
     job::stop_self();
     if !lease.is_held() {
         return false;
     }
     if let Some(terminal) = job.terminal {
-        // `fg` gave the terminal back to our group: pass it on. After `bg` it is not ours, and
-        // the command runs in the background like any job.
-        if terminal.is_ours() {
+        // `fg` gave the terminal to our group: pass it on. After `bg` it is not ours, and the
+        // command runs in the background like any job.
+        if terminal.may_hand_over() {
             terminal.give_to(job.pid);
         }
     }

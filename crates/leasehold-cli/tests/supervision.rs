@@ -249,3 +249,131 @@ fn a_lease_lost_with_redis_gone_ends_the_command_with_one_error_line() {
     assert_eq!(err.trim_end().lines().count(), 1, "{err:?}");
     assert!(err.contains("local deadline"), "{err}");
 }
+
+/// Runs `shell_line` in a fresh terminal (util-linux `script`), bounded, and returns its output.
+fn in_a_terminal(shell_line: &str) -> std::process::Output {
+    let script = std::process::Command::new("script")
+        .args(["-qec", shell_line, "/dev/null"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("util-linux `script`");
+    wait_output(script, Duration::from_secs(15))
+}
+
+/// `(process group, terminal's foreground group)` as a command printed them from
+/// `/proc/self/stat` (fields 5 and 8).
+fn groups_seen(output: &std::process::Output) -> (i64, i64) {
+    let text = String::from_utf8_lossy(&output.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains(") "))
+        .unwrap_or_else(|| panic!("no stat line in {text:?}"));
+    let fields: Vec<i64> = line[line.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .skip(1)
+        .take(5)
+        .map(|f| f.parse().unwrap())
+        .collect();
+    // After the state: ppid, pgrp, session, tty_nr, tpgid.
+    (fields[1], fields[4])
+}
+
+/// A foreground job of its own gets the terminal handed to its command; a stage of a pipeline
+/// does not (the other stages share its group and would lose the terminal).
+#[test]
+fn the_terminal_goes_to_the_command_only_when_the_run_is_alone_in_the_foreground() {
+    let server = RedisServer::start();
+    let run = format!(
+        "{} --redis {} --quota tpgid run --limit 2 -- cat /proc/self/stat",
+        env!("CARGO_BIN_EXE_leasehold"),
+        server.url()
+    );
+    let alone = in_a_terminal(&run);
+    let (group, foreground) = groups_seen(&alone);
+    assert_eq!(
+        group, foreground,
+        "a foreground job of its own hands the terminal over"
+    );
+    let piped = in_a_terminal(&format!("{run} | cat"));
+    let (group, foreground) = groups_seen(&piped);
+    assert_ne!(group, foreground, "a pipeline stage keeps out");
+}
+
+/// `leasehold run` ignores SIGTTOU (a background write with `stty tostop` would stop it, or
+/// caught, spin), and its command gets the default back.
+#[test]
+fn sigttou_stops_neither_the_run_nor_is_it_ignored_by_the_command() {
+    let server = RedisServer::start();
+    let dir = temp_dir("leasehold-supervision-ttou");
+    let (mut run, command) = ticking_run(&server, "ttou", "5s", &dir);
+    let ignored = |pid: i32| {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let mask = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigIgn:"))
+            .map(|m| u64::from_str_radix(m.trim(), 16).unwrap())
+            .unwrap();
+        mask & (1 << (libc::SIGTTOU - 1)) != 0
+    };
+    assert!(ignored(run.id() as i32));
+    assert!(!ignored(command));
+    signal(run.id() as i32, libc::SIGTTOU);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_ne!(state(run.id() as i32), Some('T'));
+    assert_ne!(state(command), Some('T'));
+    signal(run.id() as i32, libc::SIGTERM);
+    wait_exit(&mut run, Duration::from_secs(10));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A command that holds the terminal and stops itself (bash's `suspend`, a wrapper passing on a
+/// stop) stops the job: else the terminal's shell could never get it back, and the slot would
+/// be held for nothing.
+#[test]
+fn a_command_holding_the_terminal_that_stops_itself_stops_the_run() {
+    let server = RedisServer::start();
+    let dir = temp_dir("leasehold-supervision-selfstop");
+    let pidfile = dir.join("pid");
+    let line = format!(
+        "{} --redis {} --quota selfstop run --limit 1 -- sh -c 'echo $$ > {}; kill -STOP $$; echo resumed'",
+        env!("CARGO_BIN_EXE_leasehold"),
+        server.url(),
+        pidfile.display()
+    );
+    let script = std::process::Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("util-linux `script`");
+    let end = Instant::now() + Duration::from_secs(10);
+    let command: i32 = loop {
+        if let Some(pid) = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            break pid;
+        }
+        assert!(Instant::now() < end, "the command never started");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{command}/stat")).unwrap();
+    let runner: i32 = stat[stat.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    wait_state(runner, "stopped with its command", |s| s == Some('T'));
+    // `script` stops too when its child stops, as a job-control shell's job would; `fg`
+    // continues them all.
+    signal(script.id() as i32, libc::SIGCONT);
+    signal(runner, libc::SIGCONT);
+    let out = wait_output(script, Duration::from_secs(10));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains("resumed"), "{shown:?}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -44,11 +44,22 @@ pub fn wait_output(mut child: Child, within: Duration) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// The code a shell reports for `status`: the exit code, or 128 + N for a death by signal N.
+pub fn shell_code(status: std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(sig)) => 128 + sig,
+        (None, None) => unreachable!("a process that ended has a code or a signal"),
+    }
+}
+
+/// Waits (bounded) for `child` to end; returns what a shell would report (see [`shell_code`]).
 pub fn wait_exit(child: &mut Child, within: Duration) -> i32 {
     let end = Instant::now() + within;
     loop {
         if let Some(status) = child.try_wait().unwrap() {
-            return status.code().expect("leasehold itself exits with a code");
+            return shell_code(status);
         }
         assert!(
             Instant::now() < end,
