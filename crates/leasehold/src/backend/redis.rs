@@ -159,7 +159,14 @@ impl RedisBackend {
                 .map_err(|_| {
                     Error::BackendUnavailable(format!("no connection within {timeout:?}"))
                 })?
-                .map_err(|e| map_error(e, ""))?;
+                .map_err(|e| match e.kind() {
+                    // Garbage in answer to the handshake: something else listens there.
+                    ErrorKind::Parse => Misconfiguration::Protocol(format!(
+                        "the server does not answer like Redis: {e}"
+                    ))
+                    .into(),
+                    _ => map_error(e, ""),
+                })?;
             let (push_tx, push_rx) = mpsc::unbounded_channel();
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(connect_options.connect_timeout))
@@ -297,6 +304,8 @@ const SERVER_BUSY_CODES: &[&str] = &[
     "BUSY",
     "TRYAGAIN",
     "CLUSTERDOWN",
+    // Persistence failing (a full or read-only disk): writes are refused until a save succeeds.
+    "MISCONF",
 ];
 
 /// Maps a redis-rs error to the operator's categories.
@@ -335,9 +344,10 @@ fn map_error(e: RedisError, quota: &str) -> Error {
     }
     match e.kind() {
         ErrorKind::InvalidClientConfig => Misconfiguration::InvalidUrl(text).into(),
-        ErrorKind::Parse | ErrorKind::UnexpectedReturnType => {
-            Misconfiguration::Protocol(text).into()
-        }
+        // A broken byte stream, e.g. a reply cut short by a connection closed mid-frame: the
+        // outcome of the call is unknown, as after a timeout, and redis-rs reconnects.
+        ErrorKind::Parse => Error::BackendUnavailable(format!("connection broken: {text}")),
+        ErrorKind::UnexpectedReturnType => Misconfiguration::Protocol(text).into(),
         ErrorKind::Server(
             ServerErrorKind::CrossSlot | ServerErrorKind::Moved | ServerErrorKind::Ask,
         ) => Misconfiguration::Protocol(format!(

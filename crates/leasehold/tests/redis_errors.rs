@@ -1,0 +1,116 @@
+//! How Redis failures are classified: a condition that passes (a connection cut mid-reply, a
+//! failing background save) is transient, so the backend-down policy and the short-circuit
+//! apply; it is never reported as misconfiguration. Private redis-servers; every loop bounded.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold::{Backend, Error, QuotaKeys, RedisBackend};
+use leasehold_testkit::RedisServer;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A TCP proxy to `upstream` that, once `cut` is set, forwards only the first half of the next
+/// chunk the server sends and then closes the connection, as a server killed or a link closed
+/// in the middle of a reply does.
+async fn truncating_proxy(upstream: u16, cut: Arc<AtomicBool>) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+                continue;
+            };
+            let cut = cut.clone();
+            tokio::spawn(async move {
+                let (mut from_client, mut to_client) = client.into_split();
+                let (mut from_server, mut to_server) = server.into_split();
+                let up = tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                });
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    let n = match from_server.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    if n > 8 && cut.swap(false, Ordering::SeqCst) {
+                        let _ = to_client.write_all(&buf[..n / 2]).await;
+                        let _ = to_client.shutdown().await;
+                        break;
+                    }
+                    if to_client.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                up.abort();
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_cut_by_a_closed_connection_is_transient_not_misconfiguration() {
+    let server = RedisServer::start();
+    let cut = Arc::new(AtomicBool::new(false));
+    let port = truncating_proxy(server.port(), cut.clone()).await;
+    let backend = RedisBackend::connect(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    let keys = QuotaKeys::new("cut").unwrap();
+    let ttl = Duration::from_secs(5);
+    backend.acquire(&keys, "warm", ttl, 10).await.unwrap();
+    cut.store(true, Ordering::SeqCst);
+    let err = backend
+        .acquire(&keys, "cut-short", ttl, 10)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::BackendUnavailable(_)),
+        "a connection closed mid-reply must be transient, got {err:?}"
+    );
+    // The connection is replaced: the next call goes through.
+    backend.acquire(&keys, "after-cut", ttl, 10).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_background_save_misconf_is_transient_not_misconfiguration() {
+    let server = RedisServer::start_with(&["--save", "3600 1", "--dbfilename", "blocked.rdb"]);
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let keys = QuotaKeys::new("misconf").unwrap();
+    let ttl = Duration::from_secs(5);
+    backend.acquire(&keys, "warm", ttl, 10).await.unwrap();
+    // The RDB file cannot be written (its name is taken by a non-empty directory, as a full or
+    // read-only disk would refuse it): the BGSAVE fails and, with a save point configured,
+    // Redis refuses writes with MISCONF until a save succeeds again.
+    let dir = match server.command(&["CONFIG", "GET", "dir"]) {
+        leasehold_testkit::Reply::Array(items) => items[1].as_string().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    let blocker = std::path::Path::new(&dir).join("blocked.rdb");
+    std::fs::create_dir_all(blocker.join("x")).unwrap();
+    server.command(&["BGSAVE"]);
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info = server
+            .command(&["INFO", "persistence"])
+            .as_string()
+            .unwrap();
+        if info.contains("rdb_last_bgsave_status:err") {
+            break;
+        }
+        assert!(Instant::now() < end, "BGSAVE did not fail: {info}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let err = backend
+        .acquire(&keys, "during-misconf", ttl, 10)
+        .await
+        .unwrap_err();
+    let _ = std::fs::remove_dir_all(&blocker);
+    assert!(err.to_string().contains("MISCONF"), "{err}");
+    assert!(
+        matches!(err, Error::BackendUnavailable(_)),
+        "MISCONF passes once the disk is back: transient, got {err:?}"
+    );
+}
