@@ -18,6 +18,9 @@ use crate::task_turns::TaskTurns;
 pub(crate) struct Admissions {
     /// Live leases, by task id.
     registry: Mutex<HashMap<String, Weak<LeaseInner>>>,
+    /// Live leases granted by the backend-down policy, by task id: a task holds one slot,
+    /// whether the backend or the policy granted it.
+    local: Mutex<HashMap<String, Weak<LeaseInner>>>,
     /// Admission attempts under way whose caller still waits, by task id.
     attempts: Mutex<HashMap<String, usize>>,
     /// Admissions and releases of one task id reach the backend one at a time.
@@ -32,6 +35,11 @@ impl Admissions {
     /// this is held: its drop looks the registry up again.
     pub(crate) fn registry(&self) -> MutexGuard<'_, HashMap<String, Weak<LeaseInner>>> {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The live local leases, by task id; the same rule as for [`registry`](Self::registry).
+    pub(crate) fn local(&self) -> MutexGuard<'_, HashMap<String, Weak<LeaseInner>>> {
+        self.local.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Attempts under way whose caller still waits, by task id.

@@ -28,8 +28,10 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
                 shared.slot_freed();
             }
             Ok(QuotaEvent::Cancelled { task_id, reason }) => {
-                if let Some(lease) = shared.lease(&task_id) {
-                    lease.mark_lost(LostReason::Cancelled(reason));
+                // A local lease is never renewed: the message is its only way to learn.
+                let held = [shared.lease(&task_id), shared.local_lease_of(&task_id)];
+                for lease in held.into_iter().flatten() {
+                    lease.mark_lost(LostReason::Cancelled(reason.clone()));
                 }
                 // A waiter for that task must learn it too: its next attempt says so.
                 shared.recheck_task(&task_id);

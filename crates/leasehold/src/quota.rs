@@ -502,6 +502,11 @@ impl Shared {
     /// Starts an attempt like [`start_attempt`](Self::start_attempt); when `for_waiter`, the
     /// waiter must take it within [`TAKE_GRACE`] of its reply, or a slot it won is given back.
     fn start_attempt_for(self: &Arc<Self>, task_id: &str, for_waiter: bool) -> StartedAttempt {
+        // A task granted a local lease keeps it, even once the backend answers again: asking
+        // the backend would take it a second slot.
+        if let Some(local) = self.local_lease_of(task_id).filter(|l| !l.is_over()) {
+            return StartedAttempt::Done(Ok(Attempt::Admitted(Lease::from_inner(local))));
+        }
         if self.breaker.permit() == Permit::Reject {
             // O(1), no network I/O: the circuit is open.
             let down = Error::BackendUnavailable("circuit open after repeated failures".into());
@@ -573,9 +578,14 @@ impl Shared {
                 Ok(AcquireReply::Quarantined { remaining_ms }) => {
                     tracing::warn!(quota = %shared.keys.name, remaining_ms,
                         "admissions quarantined: the backend lost the quota's state");
-                    Ok(Attempt::Full {
-                        retry_after: Duration::from_millis(remaining_ms + 1),
-                    })
+                    match shared.lease(&id).filter(|l| !l.is_over()) {
+                        // This process holds the task's lease, which its next renewal
+                        // re-registers (PROTOCOL §8): it is held, not full.
+                        Some(held) => Ok(Attempt::Admitted(Lease::from_inner(held))),
+                        None => Ok(Attempt::Full {
+                            retry_after: Duration::from_millis(remaining_ms + 1),
+                        }),
+                    }
                 }
                 Ok(AcquireReply::Cancelled { reason }) => Err(Error::Cancelled(reason)),
                 Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
@@ -608,6 +618,24 @@ impl Shared {
             registry.get(task_id).and_then(Weak::upgrade)
         };
         found.filter(|l| !l.is_lost())
+    }
+
+    /// The live lease the backend-down policy granted `task_id` in this process, if any.
+    pub(crate) fn local_lease_of(&self, task_id: &str) -> Option<Arc<LeaseInner>> {
+        // Dropped after the guard, as in `lease`.
+        let found = {
+            let local = self.admissions.local();
+            local.get(task_id).and_then(Weak::upgrade)
+        };
+        found.filter(|l| !l.is_lost())
+    }
+
+    /// The lease `task_id` holds in this process, from the backend or from the policy, if it is
+    /// not over.
+    fn held_lease_of(&self, task_id: &str) -> Option<Arc<LeaseInner>> {
+        self.lease(task_id)
+            .or_else(|| self.local_lease_of(task_id))
+            .filter(|l| !l.is_over())
     }
 
     /// The live leases this handle admitted (and renews), in this process.
@@ -725,8 +753,13 @@ impl Shared {
         }
     }
 
-    /// Answers an admission the backend could not decide, by the quota's policy.
+    /// Answers an admission the backend could not decide, by the quota's policy. A task that
+    /// holds a lease in this process gets that lease back whatever the policy: never a second
+    /// slot, never `Full`, never an error for a lease it holds.
     fn when_down(self: &Arc<Self>, task_id: &str, down: Error) -> Result<Attempt> {
+        if let Some(held) = self.held_lease_of(task_id) {
+            return Ok(Attempt::Admitted(Lease::from_inner(held)));
+        }
         let retry_after = self.config.breaker.cool_down;
         match self.config.when_down {
             BackendDownPolicy::FailClosed => Err(down),
@@ -757,7 +790,11 @@ impl Shared {
     fn local_lease_counted(self: &Arc<Self>, task_id: &str) -> Lease {
         tracing::warn!(quota = %self.keys.name, task_id, policy = ?self.config.when_down,
             "backend unavailable: lease granted locally");
-        Lease::from_inner(Arc::new(LeaseInner::local(self.clone(), task_id)))
+        let inner = Arc::new(LeaseInner::local(self.clone(), task_id));
+        self.admissions
+            .local()
+            .insert(task_id.to_owned(), Arc::downgrade(&inner));
+        Lease::from_inner(inner)
     }
 
     /// A local lease was released.
@@ -772,14 +809,18 @@ impl Shared {
         }
     }
 
-    /// Removes `lease` from the registry if it is the entry for its task id.
+    /// Removes `lease` from the registry (or, for a local lease, the local leases) if it is the
+    /// entry for its task id.
     pub(crate) fn forget(&self, lease: &LeaseInner) {
-        let mut registry = self.admissions.registry();
-        if registry
+        let mut map = match lease.local {
+            true => self.admissions.local(),
+            false => self.admissions.registry(),
+        };
+        if map
             .get(&lease.task_id)
             .is_some_and(|w| std::ptr::eq(w.as_ptr(), lease))
         {
-            registry.remove(&lease.task_id);
+            map.remove(&lease.task_id);
         }
     }
 

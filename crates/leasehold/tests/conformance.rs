@@ -14,6 +14,7 @@ use leasehold::{Error, LostReason, Misconfiguration};
 const TTL: Duration = Duration::from_millis(600);
 
 conformance!(
+    a_held_task_acquired_again_during_a_quarantine_gets_its_lease,
     admits_up_to_the_limit_then_full,
     double_release_frees_one_slot_only,
     crashed_holder_is_reclaimed_one_ttl_after_its_last_renewal,
@@ -713,4 +714,24 @@ async fn acquires_made_together_with_free_slots_go_at_once(fx: Fixture) {
         .await
         .expect("every caller was admitted at once, none waited for a poll");
     assert_eq!(leases.len(), 16);
+}
+
+/// After a dataset loss, new admissions wait out a quarantine, but a task this process holds is
+/// not new: its renewal re-registers it (PROTOCOL §8), and acquiring it again returns it.
+async fn a_held_task_acquired_again_during_a_quarantine_gets_its_lease(fx: Fixture) {
+    let quota = fx
+        .builder(2, TTL)
+        .heartbeat(Duration::from_millis(150))
+        .build()
+        .unwrap();
+    let held = quota.try_acquire("held").await.unwrap();
+    fx.wipe();
+    let again = quota.try_acquire("held").await;
+    let again = again.unwrap_or_else(|e| panic!("a held task id was answered {e:?}"));
+    assert_eq!(again.fencing_token(), held.fencing_token());
+    // A new task does wait out the quarantine.
+    assert!(matches!(
+        quota.try_acquire("new").await,
+        Err(Error::Full { .. })
+    ));
 }

@@ -1,0 +1,184 @@
+//! Leases granted by the backend-down policy (`FailOpen`, `DegradeLocal`) obey the same rules as
+//! the backend's: a task id holds one slot, gets its lease back when it asks again, and learns
+//! of a cancel. The backend here is the memory backend behind a switch that makes every call
+//! fail transiently, as an unreachable Redis would; every wait is bounded.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use leasehold::backend::{AcquireReply, QuotaEvent, RenewOutcome, Snapshot};
+use leasehold::{
+    Backend, BackendDownPolicy, BreakerConfig, Error, LostReason, MemoryBackend, Quota, QuotaKeys,
+    Result,
+};
+use tokio::sync::broadcast;
+
+/// The memory backend, and a switch that takes it "down".
+#[derive(Debug, Default)]
+struct Switchable {
+    inner: MemoryBackend,
+    down: AtomicBool,
+}
+
+impl Switchable {
+    fn up(&self) -> Result<()> {
+        match self.down.load(Ordering::SeqCst) {
+            true => Err(Error::BackendUnavailable("switched off".into())),
+            false => Ok(()),
+        }
+    }
+
+    fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl Backend for Switchable {
+    async fn acquire(
+        &self,
+        keys: &QuotaKeys,
+        id: &str,
+        ttl: Duration,
+        limit: u32,
+    ) -> Result<AcquireReply> {
+        self.up()?;
+        self.inner.acquire(keys, id, ttl, limit).await
+    }
+    async fn renew(
+        &self,
+        keys: &QuotaKeys,
+        ttl: Duration,
+        leases: &[(String, u64)],
+    ) -> Result<Vec<RenewOutcome>> {
+        self.up()?;
+        self.inner.renew(keys, ttl, leases).await
+    }
+    async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
+        self.up()?;
+        self.inner.release(keys, id, token).await
+    }
+    async fn cancel(
+        &self,
+        keys: &QuotaKeys,
+        id: &str,
+        reason: &str,
+        ttl: Duration,
+    ) -> Result<bool> {
+        self.up()?;
+        self.inner.cancel(keys, id, reason, ttl).await
+    }
+    async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
+        self.up()?;
+        self.inner.snapshot(keys).await
+    }
+    async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
+        self.up()?;
+        self.inner.subscribe(keys).await
+    }
+}
+
+fn quota(backend: &Arc<Switchable>, policy: BackendDownPolicy, cool_down: Duration) -> Quota {
+    Quota::builder("local")
+        .limit(2)
+        .ttl(Duration::from_secs(5))
+        .when_backend_down(policy)
+        .breaker(BreakerConfig {
+            failures_to_open: 1,
+            cool_down,
+        })
+        .shared_backend(backend.clone() as Arc<dyn Backend>)
+        .build()
+        .unwrap()
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+#[tokio::test]
+async fn fail_open_gives_a_task_its_local_lease_again_not_a_second_slot() {
+    let backend = Arc::new(Switchable::default());
+    let q = quota(&backend, BackendDownPolicy::FailOpen, LONG);
+    backend.set_down(true);
+    let first = q.try_acquire("a").await.unwrap();
+    assert!(first.is_local());
+    let again = q.try_acquire("a").await.unwrap();
+    assert_eq!(q.local_leases(), 1, "a second local slot for the same task");
+    assert!(again.is_local());
+}
+
+#[tokio::test]
+async fn degrade_local_gives_a_task_its_local_lease_again_never_full() {
+    let backend = Arc::new(Switchable::default());
+    let q = quota(&backend, BackendDownPolicy::DegradeLocal { share: 1 }, LONG);
+    backend.set_down(true);
+    let first = q.try_acquire("a").await.unwrap();
+    assert!(first.is_local());
+    let again = q.try_acquire("a").await;
+    assert!(again.is_ok(), "a held task id answered {again:?}");
+    assert_eq!(q.local_leases(), 1);
+}
+
+#[tokio::test]
+async fn a_task_holding_a_backend_lease_gets_it_back_while_the_circuit_is_open() {
+    for policy in [
+        BackendDownPolicy::FailClosed,
+        BackendDownPolicy::FailOpen,
+        BackendDownPolicy::DegradeLocal { share: 1 },
+    ] {
+        let backend = Arc::new(Switchable::default());
+        let q = quota(&backend, policy, LONG);
+        let held = q.try_acquire("a").await.unwrap();
+        assert!(!held.is_local());
+        backend.set_down(true);
+        let again = q.try_acquire("a").await;
+        let again = again.unwrap_or_else(|e| panic!("{policy:?}: a held task got {e:?}"));
+        assert_eq!(again.fencing_token(), held.fencing_token(), "{policy:?}");
+        assert!(!again.is_local(), "{policy:?}");
+        assert_eq!(q.local_leases(), 0, "{policy:?}: a second, local slot");
+    }
+}
+
+#[tokio::test]
+async fn a_task_with_a_local_lease_keeps_it_when_the_backend_answers_again() {
+    let backend = Arc::new(Switchable::default());
+    let q = quota(
+        &backend,
+        BackendDownPolicy::FailOpen,
+        Duration::from_millis(50),
+    );
+    backend.set_down(true);
+    let local = q.try_acquire("a").await.unwrap();
+    assert!(local.is_local());
+    backend.set_down(false);
+    tokio::time::sleep(Duration::from_millis(120)).await; // past the cool-down
+    let again = q.try_acquire("a").await.unwrap();
+    assert!(
+        again.is_local(),
+        "the same lease, not a second slot in the backend"
+    );
+    assert!(q.status().await.unwrap().holders.is_empty());
+    // Other tasks go to the backend again.
+    assert!(!q.try_acquire("b").await.unwrap().is_local());
+}
+
+#[tokio::test]
+async fn a_local_lease_learns_that_its_task_was_cancelled() {
+    let backend = Arc::new(Switchable::default());
+    let q = quota(
+        &backend,
+        BackendDownPolicy::FailOpen,
+        Duration::from_millis(50),
+    );
+    let _listening = q.try_acquire("other").await.unwrap();
+    backend.set_down(true);
+    let local = q.try_acquire("a").await.unwrap();
+    assert!(local.is_local());
+    backend.set_down(false);
+    q.cancel("a", "stop").await.unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(2), local.lost())
+        .await
+        .expect("a local lease is never renewed: the message must reach it");
+    assert_eq!(reason, LostReason::Cancelled("stop".into()));
+}
