@@ -137,7 +137,9 @@ impl RedisBackend {
             .redis_settings()
             .clone()
             .set_protocol(ProtocolVersion::RESP3);
-        let info = info.set_redis_settings(settings);
+        let info = info
+            .set_redis_settings(settings)
+            .set_tcp_settings(tcp_settings(options.call_timeout));
         let client = match &options.tls_root_cert {
             None => redis::Client::open(info),
             Some(ca) => redis::Client::build_with_tls(
@@ -289,6 +291,27 @@ async fn dispatch_pushes(inner: Weak<Inner>, mut pushes: mpsc::UnboundedReceiver
             let _ = sender.send(event);
         }
     }
+}
+
+/// The client socket's settings. Keepalive probes and a user timeout (data unacknowledged for a
+/// few call timeouts) make a connection to a host that vanished (no RST: a power loss, a NAT or
+/// firewall that forgot the flow) fail, so redis-rs replaces it, instead of every call timing
+/// out until the kernel gives up (about 15 minutes).
+///
+/// Nagle's algorithm stays on (redis-rs's default): calls of many tasks share one pipelined
+/// connection, and `TCP_NODELAY` turned each into its own packet. Measured with the throughput
+/// benchmark at 64 tasks: the INCR/DECR floor fell from 66.7 k to 40.6 k cycles/s and leasehold
+/// from 33.3 k to 25.4 k.
+fn tcp_settings(call_timeout: Duration) -> redis::io::tcp::TcpSettings {
+    use redis::io::tcp::{socket2::TcpKeepalive, TcpSettings};
+    let dead_after = (call_timeout * 3).max(Duration::from_secs(3));
+    let keepalive = TcpKeepalive::new()
+        .with_time(Duration::from_secs(5))
+        .with_interval(Duration::from_secs(1))
+        .with_retries(3);
+    TcpSettings::default()
+        .set_keepalive(keepalive)
+        .set_user_timeout(dead_after)
 }
 
 /// Error codes with which a healthy server refuses for a while: a replica after a failover
