@@ -1116,3 +1116,49 @@ fn a_waiter_whose_slot_was_given_back_tries_again_as_soon_as_it_runs() {
     assert!(after < Duration::from_millis(1500), "{after:?}");
     app.join().unwrap();
 }
+
+/// A caller told it is subscribed keeps a live receiver, even when another caller's SUBSCRIBE of
+/// the same quota, in flight at that moment, fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_is_not_cut_off_by_a_concurrent_subscribe_that_fails() {
+    use leasehold::backend::QuotaEvent;
+    use leasehold::{Backend, QuotaKeys};
+    let server = RedisServer::start();
+    let proxy = leasehold_testkit::proxy::FaultProxy::start(server.port());
+    let backend = RedisBackend::connect(&proxy.url()).await.unwrap();
+    let keys = QuotaKeys::new("subrace").unwrap();
+    // Round trips take 1.2 s, above the 1 s call timeout: the first SUBSCRIBE fails.
+    proxy.set_latency(Duration::from_millis(600));
+    let first = {
+        let (backend, keys) = (backend.clone(), keys.clone());
+        tokio::spawn(async move { backend.subscribe(&keys).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = {
+        let (backend, keys) = (backend.clone(), keys.clone());
+        tokio::spawn(async move { backend.subscribe(&keys).await })
+    };
+    // The link is fast again before the first call times out; its reply is already late.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    proxy.set_latency(Duration::ZERO);
+    assert!(
+        first.await.unwrap().is_err(),
+        "the first SUBSCRIBE was meant to time out"
+    );
+    let mut receiver = second
+        .await
+        .unwrap()
+        .expect("the second caller subscribes once the link is fast");
+    // Live: a message published now reaches it (after any confirmation events).
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        server.command(&["PUBLISH", &keys.events, "released:7:probe"]);
+        match tokio::time::timeout(Duration::from_millis(200), receiver.recv()).await {
+            Ok(Ok(QuotaEvent::Released { task_id, .. })) if task_id == "probe" => break,
+            Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
+                panic!("a receiver handed out as subscribed was closed by another's failure")
+            }
+            _ => assert!(Instant::now() < end, "no message reached the subscriber"),
+        }
+    }
+}

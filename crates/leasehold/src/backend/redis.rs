@@ -67,8 +67,10 @@ pub struct RedisBackend {
 struct Inner {
     conn: ConnectionManager,
     options: RedisOptions,
-    /// Channel name -> sender of that quota's events.
+    /// Channel name -> sender of that quota's events, once its SUBSCRIBE is confirmed.
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
+    /// Held by the subscribe in progress.
+    subscribing: tokio::sync::Mutex<()>,
     /// Quota name -> the epochs this process knows: sent with every acquire and renew so the
     /// server can tell that it lost the quota's state (protocol, "Dataset loss").
     epochs: Mutex<HashMap<String, Epochs>>,
@@ -186,6 +188,7 @@ impl RedisBackend {
                 conn,
                 options: connect_options,
                 channels: Mutex::new(HashMap::new()),
+                subscribing: tokio::sync::Mutex::new(()),
                 epochs: Mutex::new(HashMap::new()),
                 acquires: Mutex::new(HashMap::new()),
                 releases: Mutex::new(HashMap::new()),
@@ -737,40 +740,39 @@ impl Backend for RedisBackend {
     }
 
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
-        let (receiver, fresh) = {
-            let mut channels = self
-                .inner
-                .channels
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            match channels.get(&keys.events) {
-                Some(sender) => (sender.subscribe(), false),
-                None => {
-                    let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
-                    channels.insert(keys.events.clone(), sender);
-                    (receiver, true)
-                }
-            }
-        };
-        if fresh {
-            let this = self.clone();
-            let channel = keys.events.clone();
-            let result = runtime::run(async move {
-                let mut conn = this.inner.conn.clone();
-                this.bounded("", async move { conn.subscribe(&channel).await })
-                    .await
-            })
-            .await;
-            if let Err(e) = result {
-                // Let the next caller try again.
-                self.inner
+        let this = self.clone();
+        let channel = keys.events.clone();
+        // One subscribe at a time, each run to its end on leasehold's runtime whoever stops
+        // waiting: a caller that finds the channel's sender knows its SUBSCRIBE was confirmed,
+        // since a failed one removes the sender before the next caller looks. (Handing out a
+        // receiver while the first SUBSCRIBE was still in flight let its failure close that
+        // receiver under a caller told it was subscribed.)
+        runtime::finish(async move {
+            let _one_at_a_time = this.inner.subscribing.lock().await;
+            let channels = || {
+                this.inner
                     .channels
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .remove(&keys.events);
+            };
+            if let Some(sender) = channels().get(&channel) {
+                return Ok(sender.subscribe());
+            }
+            // In place before the SUBSCRIBE, so the first messages after it find their way.
+            let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
+            channels().insert(channel.clone(), sender);
+            let mut conn = this.inner.conn.clone();
+            let name = channel.clone();
+            let result = this
+                .bounded("", async move { conn.subscribe(&name).await })
+                .await;
+            if let Err(e) = result {
+                // Let the next caller try again.
+                channels().remove(&channel);
                 return Err(e);
             }
-        }
-        Ok(receiver)
+            Ok(receiver)
+        })
+        .await
     }
 }
