@@ -55,18 +55,33 @@ fn ticking_run(server: &RedisServer, quota: &str, ttl: &str, dir: &Path) -> (Chi
         .spawn()
         .unwrap();
     wait_held(server, quota, "ticker");
-    let end = Instant::now() + Duration::from_secs(5);
-    let pid = loop {
-        if let Some(pid) = std::fs::read_to_string(&pidfile)
+    (run, pid_from(&pidfile))
+}
+
+/// The pid a command wrote to `pidfile`, once it has (bounded).
+fn pid_from(pidfile: &Path) -> i32 {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(pid) = std::fs::read_to_string(pidfile)
             .ok()
             .and_then(|s| s.trim().parse().ok())
         {
-            break pid;
+            return pid;
         }
         assert!(Instant::now() < end, "the command never started");
         std::thread::sleep(Duration::from_millis(10));
-    };
-    (run, pid)
+    }
+}
+
+/// `shell_line` started in a fresh terminal (util-linux `script`), its output piped.
+fn terminal(shell_line: &str, stdin: Stdio) -> Child {
+    std::process::Command::new("script")
+        .args(["-qec", shell_line, "/dev/null"])
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("util-linux `script`")
 }
 
 fn ticks(dir: &Path) -> usize {
@@ -194,13 +209,7 @@ fn a_command_run_in_the_foreground_reads_the_terminal() {
         env!("CARGO_BIN_EXE_leasehold"),
         server.url()
     );
-    let mut script = std::process::Command::new("script")
-        .args(["-qec", &line, "/dev/null"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("util-linux `script`");
+    let mut script = terminal(&line, Stdio::piped());
     script.stdin.take().unwrap().write_all(b"hello\n").unwrap();
     let out = wait_output(script, Duration::from_secs(15));
     let shown = String::from_utf8_lossy(&out.stdout);
@@ -252,14 +261,7 @@ fn a_lease_lost_with_redis_gone_ends_the_command_with_one_error_line() {
 
 /// Runs `shell_line` in a fresh terminal (util-linux `script`), bounded, and returns its output.
 fn in_a_terminal(shell_line: &str) -> std::process::Output {
-    let script = std::process::Command::new("script")
-        .args(["-qec", shell_line, "/dev/null"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("util-linux `script`");
-    wait_output(script, Duration::from_secs(15))
+    wait_output(terminal(shell_line, Stdio::null()), Duration::from_secs(15))
 }
 
 /// `(process group, terminal's foreground group)` as a command printed them from
@@ -342,24 +344,8 @@ fn a_command_holding_the_terminal_that_stops_itself_stops_the_run() {
         server.url(),
         pidfile.display()
     );
-    let script = std::process::Command::new("script")
-        .args(["-qec", &line, "/dev/null"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("util-linux `script`");
-    let end = Instant::now() + Duration::from_secs(10);
-    let command: i32 = loop {
-        if let Some(pid) = std::fs::read_to_string(&pidfile)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-        {
-            break pid;
-        }
-        assert!(Instant::now() < end, "the command never started");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let script = terminal(&line, Stdio::null());
+    let command = pid_from(&pidfile);
     let stat = std::fs::read_to_string(format!("/proc/{command}/stat")).unwrap();
     let runner: i32 = stat[stat.rfind(')').unwrap() + 2..]
         .split_whitespace()
