@@ -2,6 +2,7 @@
 //! this process with one backend call per heartbeat interval, and fires `lost` at each lease's
 //! local deadline when renewals cannot get through.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
@@ -62,16 +63,27 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
             }
             if now >= next_beat {
                 next_beat = now + shared.config.heartbeat;
-                let live: Vec<_> = leases.iter().filter(|l| !l.is_lost()).cloned().collect();
+                // Each call carries the epoch its leases were confirmed in: normally one for all,
+                // two or more only around a loss of the quota's state, when leases admitted
+                // before it must say so to re-register.
+                let mut by_epoch: HashMap<Arc<str>, Vec<Arc<LeaseInner>>> = HashMap::new();
+                for lease in leases.iter().filter(|l| !l.is_lost()) {
+                    by_epoch
+                        .entry(lease.epoch())
+                        .or_default()
+                        .push(lease.clone());
+                }
                 // Beats may overlap when round trips outlast the interval: renewals are
                 // idempotent and deadlines only move forward, and each is bounded by its
                 // leases' local deadline, so at most about ttl / heartbeat are in flight. Past
                 // one backend call's worth of leases, the calls go out side by side, each with
                 // its own bound and its own answers.
-                for chunk in live.chunks(RENEW_BATCH) {
-                    let shared = shared.clone();
-                    let chunk = chunk.to_vec();
-                    runtime::spawn(async move { renew(&shared, chunk).await });
+                for (epoch, live) in by_epoch {
+                    for chunk in live.chunks(RENEW_BATCH) {
+                        let (shared, epoch, chunk) =
+                            (shared.clone(), epoch.clone(), chunk.to_vec());
+                        runtime::spawn(async move { renew(&shared, &epoch, chunk).await });
+                    }
                 }
             }
             leases
@@ -89,7 +101,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
     }
 }
 
-async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
+async fn renew(shared: &Shared, epoch: &str, leases: Vec<Arc<LeaseInner>>) {
     let pairs: Vec<(String, u64)> = leases
         .iter()
         .map(|l| (l.task_id.clone(), l.token))
@@ -100,7 +112,7 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
     // a lease whose own local deadline has not passed yet.
     let call = shared
         .backend
-        .renew(&shared.keys, shared.config.ttl, &pairs);
+        .renew(&shared.keys, shared.config.ttl, epoch, &pairs);
     let bound = shared.config.local_deadline(sent) - sent;
     let reply = match tokio::time::timeout(bound, call).await {
         Ok(reply) => reply,
@@ -109,18 +121,22 @@ async fn renew(shared: &Shared, leases: Vec<Arc<LeaseInner>>) {
         ))),
     };
     shared.record_backend_result(&reply, sent);
-    let outcomes = match reply {
-        Ok(outcomes) => outcomes,
+    let reply = match reply {
+        Ok(reply) => reply,
         Err(e) => {
             tracing::warn!(quota = %shared.keys.name, leases = leases.len(), error = %e,
                 "renewal failed; leases keep their local deadlines");
             return;
         }
     };
-    for (lease, outcome) in leases.iter().zip(outcomes) {
+    for (lease, outcome) in leases.iter().zip(reply.outcomes) {
         match outcome {
             RenewOutcome::Renewed { deadline_ms } => {
-                lease.renewed(deadline_ms, shared.config.local_deadline(sent));
+                lease.renewed(
+                    deadline_ms,
+                    shared.config.local_deadline(sent),
+                    &reply.epoch,
+                );
             }
             RenewOutcome::Gone => {
                 lease.mark_lost(LostReason::Expired);

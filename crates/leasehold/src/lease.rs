@@ -1,7 +1,7 @@
 //! [`Lease`]: a held slot, released when dropped, renewed while it lives.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
@@ -40,10 +40,14 @@ pub(crate) struct LeaseInner {
     pub(crate) local: bool,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Times {
     deadline_ms: u64,
     local_deadline: Instant,
+    /// The quota's epoch at this lease's latest admission or renewal: what its next renewal
+    /// sends, so that after a loss of the quota's state it re-registers (protocol §8) even when
+    /// other leases of this process already learned the new epoch.
+    epoch: Arc<str>,
 }
 
 impl std::fmt::Debug for Lease {
@@ -73,6 +77,7 @@ impl LeaseInner {
             times: Mutex::new(Times {
                 deadline_ms: record.deadline_ms,
                 local_deadline,
+                epoch: record.epoch.as_str().into(),
             }),
             lost: watch::channel(None).0,
             lost_token: CancellationToken::new(),
@@ -93,6 +98,7 @@ impl LeaseInner {
             acquired_at_ms: now_ms,
             deadline_ms: now_ms + quota.config.ttl.as_millis() as u64,
             now_ms,
+            epoch: String::new(),
         };
         let mut inner = LeaseInner::new(quota, &record, Instant::now());
         inner.local = true;
@@ -104,12 +110,17 @@ impl LeaseInner {
         inner
     }
 
-    fn times(&self) -> Times {
-        *self.times.lock().unwrap_or_else(|e| e.into_inner())
+    fn times(&self) -> MutexGuard<'_, Times> {
+        self.times.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn local_deadline(&self) -> Instant {
         self.times().local_deadline
+    }
+
+    /// The epoch this lease was last confirmed in.
+    pub(crate) fn epoch(&self) -> Arc<str> {
+        self.times().epoch.clone()
     }
 
     pub(crate) fn is_lost(&self) -> bool {
@@ -121,17 +132,20 @@ impl LeaseInner {
         self.is_lost() || Instant::now() >= self.local_deadline()
     }
 
-    /// Records an acknowledged renewal (or `held` answer) whose call grants the holder up to
-    /// `local` (its send time + the ttl it sent − margin). A lease already past its local deadline
-    /// is not extended: it was reported lost, or is about to be, and stays so.
+    /// Records an acknowledged renewal (or `held` answer) in `epoch` whose call grants the holder
+    /// up to `local` (its send time + the ttl it sent − margin). A lease already past its local
+    /// deadline is not extended: it was reported lost, or is about to be, and stays so.
     /// Returns whether it extended the lease.
-    pub(crate) fn renewed(&self, deadline_ms: u64, local: Instant) -> bool {
-        let mut times = self.times.lock().unwrap_or_else(|e| e.into_inner());
+    pub(crate) fn renewed(&self, deadline_ms: u64, local: Instant, epoch: &str) -> bool {
+        let mut times = self.times();
         if Instant::now() >= times.local_deadline {
             return false;
         }
         times.deadline_ms = times.deadline_ms.max(deadline_ms);
         times.local_deadline = times.local_deadline.max(local);
+        if *times.epoch != *epoch {
+            times.epoch = epoch.into();
+        }
         true
     }
 

@@ -710,7 +710,11 @@ impl Shared {
         if let Some(same) = held.filter(|l| l.token == record.token) {
             // The deadline this call grants is by this handle's ttl, the one it sent. Refused
             // only if the local deadline passed in between: then a new handle, as below.
-            if same.renewed(record.deadline_ms, self.config.local_deadline(sent)) {
+            if same.renewed(
+                record.deadline_ms,
+                self.config.local_deadline(sent),
+                &record.epoch,
+            ) {
                 let shared = same.clone();
                 drop(registry);
                 return Lease::from_inner(shared);

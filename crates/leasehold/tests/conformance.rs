@@ -22,6 +22,8 @@ conformance!(
     holder_learns_at_once_when_released_elsewhere,
     holder_learns_from_renewal_when_its_lease_vanished,
     dataset_loss_quarantines_admissions_while_holders_re_register,
+    leases_of_two_handles_beating_out_of_phase_both_re_register_after_a_dataset_loss,
+    each_renewal_sends_the_epoch_its_own_leases_were_confirmed_in,
     acquire_is_idempotent_under_retry_even_at_full_capacity,
     stale_token_cannot_renew_or_release_the_successor,
     waiter_is_woken_by_a_release_not_by_polling,
@@ -125,10 +127,10 @@ async fn expired_lease_is_never_resurrected_by_a_renewal(fx: Fixture) {
     let newer = quota.try_acquire("new").await.unwrap();
     let late = fx
         .backend
-        .renew(&keys, TTL, &[("old".into(), old.token)])
+        .renew(&keys, TTL, &old.epoch, &[("old".into(), old.token)])
         .await
         .unwrap();
-    assert_eq!(late, vec![RenewOutcome::Gone]);
+    assert_eq!(late.outcomes, vec![RenewOutcome::Gone]);
     let status = quota.status().await.unwrap();
     assert_eq!(
         status.holders.len(),
@@ -227,6 +229,83 @@ async fn dataset_loss_quarantines_admissions_while_holders_re_register(fx: Fixtu
     assert_eq!(quota.status().await.unwrap().holders.len(), 2);
 }
 
+async fn leases_of_two_handles_beating_out_of_phase_both_re_register_after_a_dataset_loss(
+    fx: Fixture,
+) {
+    // Each handle renews its own leases on its own beat. Whichever renews first after the loss
+    // learns the new epoch; the other's leases must still re-register, not be dropped.
+    let heartbeat = Duration::from_millis(150);
+    let first = fx.builder(3, TTL).heartbeat(heartbeat).build().unwrap();
+    let a = first.try_acquire("a").await.unwrap();
+    tokio::time::sleep(heartbeat / 2).await;
+    let second = fx.builder(3, TTL).heartbeat(heartbeat).build().unwrap();
+    let b = second.try_acquire("b").await.unwrap();
+    fx.wipe();
+    tokio::time::sleep(heartbeat * 3).await;
+    assert!(a.is_held(), "{:?}", a.lost_reason());
+    assert!(b.is_held(), "{:?}", b.lost_reason());
+    let mut tokens: Vec<u64> = first
+        .status()
+        .await
+        .unwrap()
+        .holders
+        .iter()
+        .map(|h| h.fencing_token)
+        .collect();
+    tokens.sort_unstable();
+    assert_eq!(tokens, vec![a.fencing_token(), b.fencing_token()]);
+}
+
+async fn each_renewal_sends_the_epoch_its_own_leases_were_confirmed_in(fx: Fixture) {
+    let keys = fx.keys();
+    let admit = |id: &'static str| {
+        let (backend, keys) = (fx.backend.clone(), keys.clone());
+        async move {
+            match backend.acquire(&keys, id, TTL, 2).await.unwrap() {
+                AcquireReply::Acquired(record) => record,
+                other => panic!("{id} is admitted: {other:?}"),
+            }
+        }
+    };
+    let (a, b) = (admit("a").await, admit("b").await);
+    assert!(!a.epoch.is_empty());
+    assert_eq!(a.epoch, b.epoch);
+    fx.wipe();
+    let renew = |epoch: String, id: &'static str, token: u64| {
+        let (backend, keys) = (fx.backend.clone(), keys.clone());
+        async move {
+            backend
+                .renew(&keys, TTL, &epoch, &[(id.to_owned(), token)])
+                .await
+                .unwrap()
+        }
+    };
+    let first = renew(a.epoch.clone(), "a", a.token).await;
+    assert!(matches!(first.outcomes[..], [RenewOutcome::Renewed { .. }]));
+    assert_ne!(first.epoch, a.epoch, "the loss made a new epoch");
+    // A later call for a lease confirmed in the old epoch re-registers it too.
+    let second = renew(b.epoch.clone(), "b", b.token).await;
+    assert!(
+        matches!(second.outcomes[..], [RenewOutcome::Renewed { .. }]),
+        "{second:?}"
+    );
+    assert_eq!(second.epoch, first.epoch);
+    let ordinary = renew(second.epoch.clone(), "b", b.token).await;
+    assert!(matches!(
+        ordinary.outcomes[..],
+        [RenewOutcome::Renewed { .. }]
+    ));
+    let holders = fx.backend.snapshot(&keys).await.unwrap().holders;
+    assert_eq!(holders.len(), 2);
+    assert!(
+        !matches!(
+            fx.backend.acquire(&keys, "c", TTL, 2).await.unwrap(),
+            AcquireReply::Acquired(_)
+        ),
+        "both re-registered leases count"
+    );
+}
+
 async fn acquire_is_idempotent_under_retry_even_at_full_capacity(fx: Fixture) {
     let quota = fx.quota(2, TTL);
     let first = quota.try_acquire("a").await.unwrap();
@@ -271,10 +350,10 @@ async fn stale_token_cannot_renew_or_release_the_successor(fx: Fixture) {
     assert!(second.token > first.token);
     let renewed = fx
         .backend
-        .renew(&keys, TTL, &[("a".into(), first.token)])
+        .renew(&keys, TTL, &first.epoch, &[("a".into(), first.token)])
         .await
         .unwrap();
-    assert_eq!(renewed, vec![RenewOutcome::Superseded]);
+    assert_eq!(renewed.outcomes, vec![RenewOutcome::Superseded]);
     assert!(!fx
         .backend
         .release(&keys, "a", Some(first.token))

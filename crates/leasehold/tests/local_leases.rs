@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold::backend::{AcquireReply, QuotaEvent, RenewOutcome, Snapshot};
+use leasehold::backend::{AcquireReply, QuotaEvent, RenewReply, Snapshot};
 use leasehold::{
     Backend, BackendDownPolicy, BreakerConfig, Error, LostReason, MemoryBackend, Quota, QuotaKeys,
     Result,
@@ -51,10 +51,11 @@ impl Backend for Switchable {
         &self,
         keys: &QuotaKeys,
         ttl: Duration,
+        epoch: &str,
         leases: &[(String, u64)],
-    ) -> Result<Vec<RenewOutcome>> {
+    ) -> Result<RenewReply> {
         self.up()?;
-        self.inner.renew(keys, ttl, leases).await
+        self.inner.renew(keys, ttl, epoch, leases).await
     }
     async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
         self.up()?;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use tokio::sync::broadcast;
 
-use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, Snapshot};
+use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, RenewReply, Snapshot};
 use crate::error::Result;
 use crate::keys::QuotaKeys;
 
@@ -25,25 +25,29 @@ pub struct MemoryBackend {
     quotas: Mutex<HashMap<String, QuotaState>>,
 }
 
-/// Epochs, as the Redis protocol keeps them: the store's (lost with the data) and the ones its
-/// client last saw and had its leases confirmed in (kept by the client), so that a
+/// Epochs, as the Redis protocol keeps them: the store's (lost with the data) and the one its
+/// client last saw (kept by the client; renewals bring their leases' own), so that a
 /// [`MemoryBackend::wipe`] is detected the same way.
 #[derive(Debug, Default)]
 struct Epochs {
     next: u64,
     store: Option<u64>,
-    seen: Option<u64>,
-    confirmed: Option<u64>,
+    seen: String,
     loss_detected: bool,
     quarantine_until_ms: u64,
 }
 
 impl Epochs {
+    /// The store's epoch as the protocol sends it: an opaque id, empty while there is none.
+    fn id(&self) -> String {
+        self.store.map(|e| e.to_string()).unwrap_or_default()
+    }
+
     /// The store's side of a call that carries the client's epoch `sent`: creates an epoch if
     /// the store lost it, and starts the quarantine once per epoch if `sent` is stale. Returns
     /// whether it was stale.
-    fn check(&mut self, sent: Option<u64>, now: u64, ttl_ms: u64) -> bool {
-        let stale = sent.is_some() && sent != self.store;
+    fn check(&mut self, sent: &str, now: u64, ttl_ms: u64) -> bool {
+        let stale = !sent.is_empty() && sent != self.id();
         if self.store.is_none() {
             self.next += 1;
             self.store = Some(self.next);
@@ -134,13 +138,14 @@ impl MemoryBackend {
     }
 }
 
-fn record(task_id: &str, s: Stored, now_ms: u64) -> LeaseRecord {
+fn record(task_id: &str, s: Stored, now_ms: u64, epoch: String) -> LeaseRecord {
     LeaseRecord {
         task_id: task_id.to_owned(),
         token: s.token,
         acquired_at_ms: s.acquired_at_ms,
         deadline_ms: s.deadline_ms,
         now_ms,
+        epoch,
     }
 }
 
@@ -155,16 +160,16 @@ impl Backend for MemoryBackend {
     ) -> Result<AcquireReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
-            q.epochs.check(q.epochs.seen, now, ttl_ms);
-            q.epochs.seen = q.epochs.store;
+            let seen = std::mem::take(&mut q.epochs.seen);
+            q.epochs.check(&seen, now, ttl_ms);
+            q.epochs.seen = q.epochs.id();
             if let Some(reason) = q.cancel_reason(task_id, now) {
                 return AcquireReply::Cancelled { reason };
             }
             q.leases.retain(|_, s| s.deadline_ms > now);
             if let Some(s) = q.leases.get_mut(task_id) {
                 s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
-                q.epochs.confirmed = q.epochs.store;
-                return AcquireReply::Held(record(task_id, *s, now));
+                return AcquireReply::Held(record(task_id, *s, now, q.epochs.id()));
             }
             if q.epochs.quarantine_until_ms > now {
                 return AcquireReply::Quarantined {
@@ -179,8 +184,7 @@ impl Backend for MemoryBackend {
                     deadline_ms: now + ttl_ms,
                 };
                 q.leases.insert(task_id.to_owned(), s);
-                q.epochs.confirmed = q.epochs.store;
-                return AcquireReply::Acquired(record(task_id, s, now));
+                return AcquireReply::Acquired(record(task_id, s, now, q.epochs.id()));
             }
             let earliest = q.leases.values().map(|s| s.deadline_ms).min();
             AcquireReply::Full {
@@ -194,15 +198,15 @@ impl Backend for MemoryBackend {
         &self,
         keys: &QuotaKeys,
         ttl: Duration,
+        epoch: &str,
         leases: &[(String, u64)],
-    ) -> Result<Vec<RenewOutcome>> {
+    ) -> Result<RenewReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
-            let stale = q.epochs.check(q.epochs.confirmed, now, ttl_ms);
+            let stale = q.epochs.check(epoch, now, ttl_ms);
             let reregister = stale && q.epochs.quarantine_until_ms > now;
-            q.epochs.seen = q.epochs.store;
-            q.epochs.confirmed = q.epochs.store;
-            leases
+            q.epochs.seen = q.epochs.id();
+            let outcomes = leases
                 .iter()
                 .map(|(id, token)| {
                     let cancelled = q.cancel_reason(id, now);
@@ -234,7 +238,11 @@ impl Backend for MemoryBackend {
                         None => RenewOutcome::Gone,
                     }
                 })
-                .collect()
+                .collect();
+            RenewReply {
+                epoch: q.epochs.id(),
+                outcomes,
+            }
         }))
     }
 
@@ -284,7 +292,7 @@ impl Backend for MemoryBackend {
                 .leases
                 .iter()
                 .filter(|(_, s)| s.deadline_ms > now)
-                .map(|(id, s)| record(id, *s, now))
+                .map(|(id, s)| record(id, *s, now, String::new()))
                 .collect();
             holders.sort_by(|a, b| (a.deadline_ms, &a.task_id).cmp(&(b.deadline_ms, &b.task_id)));
             Snapshot {

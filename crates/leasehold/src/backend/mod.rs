@@ -57,6 +57,11 @@ pub struct LeaseRecord {
     pub deadline_ms: u64,
     /// Backend time at which this record was read, in milliseconds.
     pub now_ms: u64,
+    /// The quota's epoch when this record was read (protocol §8): opaque, changes only when the
+    /// quota's state was lost. A lease's renewals send back the epoch of its latest admission or
+    /// renewal. Empty where the reply carries none (snapshots, leases granted without the
+    /// backend).
+    pub epoch: String,
 }
 
 /// What a renewal found for one lease.
@@ -76,6 +81,16 @@ pub enum RenewOutcome {
         /// The canceller's reason.
         reason: String,
     },
+}
+
+/// The answer to one renewal call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenewReply {
+    /// The quota's epoch after the call: the leases it renewed (or re-registered) are confirmed
+    /// in it, and their next renewal sends it.
+    pub epoch: String,
+    /// One outcome per lease, in the order they were sent.
+    pub outcomes: Vec<RenewOutcome>,
 }
 
 /// A point-in-time view of one quota.
@@ -128,12 +143,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 
     /// Extends each `(task id, fencing token)` lease that still exists with that token to
     /// `now + ttl`; never re-creates one. One round trip for all of them.
+    ///
+    /// `epoch` is the epoch the leases were last confirmed in (the [`LeaseRecord::epoch`] of
+    /// their admission, or the [`RenewReply::epoch`] of their latest renewal), so the backend
+    /// can tell leases forgotten by a loss of its state from leases that ended (protocol §8).
+    /// Leases confirmed in different epochs go in different calls.
     async fn renew(
         &self,
         keys: &QuotaKeys,
         ttl: Duration,
+        epoch: &str,
         leases: &[(String, u64)],
-    ) -> Result<Vec<RenewOutcome>>;
+    ) -> Result<RenewReply>;
 
     /// Removes the lease of `task_id` if its token is `token` (any token when `None`: the
     /// operator's forced release). Returns whether a lease was removed. A removal may be

@@ -17,7 +17,9 @@ use tokio::sync::{broadcast, mpsc};
 
 use super::batch::Batcher;
 use super::redacted_url::redacted;
-use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, Snapshot, RENEW_BATCH};
+use super::{
+    AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, RenewReply, Snapshot, RENEW_BATCH,
+};
 use crate::error::{Error, Misconfiguration, Result};
 use crate::keys::QuotaKeys;
 use crate::runtime;
@@ -71,9 +73,10 @@ struct Inner {
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
     /// Held by the subscribe in progress.
     subscribing: tokio::sync::Mutex<()>,
-    /// Quota name -> the epochs this process knows: sent with every acquire and renew so the
-    /// server can tell that it lost the quota's state (protocol, "Dataset loss").
-    epochs: Mutex<HashMap<String, Epochs>>,
+    /// Quota name -> the latest epoch any reply reported: what acquire sends, so the server can
+    /// tell that it lost the quota's state (protocol, "Dataset loss"). Renewals send their
+    /// leases' own epoch instead.
+    epochs: Mutex<HashMap<String, String>>,
     /// Admission attempts that share script calls: per quota, then per (ttl in ms, limit).
     acquires: Mutex<HashMap<String, AcquireQueues>>,
     /// Releases `(task id, token or "*")` that share script calls, per quota.
@@ -94,17 +97,6 @@ type AcquireQueues = HashMap<(u128, u32), Arc<Queue<AcquireBatcher>>>;
 struct Queue<B> {
     keys: Arc<QuotaKeys>,
     batcher: Arc<B>,
-}
-
-/// The epochs of one quota as this process knows them.
-#[derive(Debug, Default, Clone)]
-struct Epochs {
-    /// The latest epoch any reply reported: what acquire sends.
-    seen: String,
-    /// The epoch this process's leases were last confirmed in (admitted or renewed): what renew
-    /// sends, so that leases forgotten by a loss re-register even if an acquire of this process
-    /// learned the new epoch first.
-    confirmed: String,
 }
 
 /// Most admission attempts, or releases, sent in one script call. A full batch runs in well under
@@ -404,40 +396,46 @@ fn text(v: Option<&Value>) -> Result<String> {
 }
 
 /// A lease from the four values `token, acquired_ms, deadline_ms` (after the code) of an acquire
-/// answer.
-fn lease_record(task_id: String, answer: &[Value], now_ms: u64) -> Result<LeaseRecord> {
+/// answer, in the reply's epoch.
+fn lease_record(
+    task_id: String,
+    answer: &[Value],
+    now_ms: u64,
+    epoch: &str,
+) -> Result<LeaseRecord> {
     Ok(LeaseRecord {
         task_id,
         token: int(answer.get(1))?,
         acquired_at_ms: int(answer.get(2))?,
         deadline_ms: int(answer.get(3))?,
         now_ms,
+        epoch: epoch.to_owned(),
     })
 }
 
 impl RedisBackend {
-    fn epochs(&self, quota: &str) -> Epochs {
+    /// The latest epoch of `quota` any reply reported, or `''`.
+    fn seen_epoch(&self, quota: &str) -> String {
         let epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
         epochs.get(quota).cloned().unwrap_or_default()
     }
 
-    /// Records the epoch a reply reported; `confirmed` when it admitted or renewed leases.
-    fn saw_epoch(&self, quota: &str, epoch: Option<&Value>, confirmed: bool) -> Result<()> {
+    /// Records the epoch a reply reported, and returns it.
+    fn saw_epoch(&self, quota: &str, epoch: Option<&Value>) -> Result<String> {
         let epoch = text(epoch)?;
         let mut epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
         let known = epochs.entry(quota.to_owned()).or_default();
-        if !known.seen.is_empty() && known.seen != epoch {
-            tracing::warn!(
-                quota,
-                epoch,
-                "the quota's state was lost and recreated (new epoch)"
-            );
+        if *known != epoch {
+            if !known.is_empty() {
+                tracing::warn!(
+                    quota,
+                    epoch,
+                    "the quota's state was lost and recreated (new epoch)"
+                );
+            }
+            known.clone_from(&epoch);
         }
-        known.seen = epoch.clone();
-        if confirmed {
-            known.confirmed = epoch;
-        }
-        Ok(())
+        Ok(epoch)
     }
 
     /// One renew call for at most [`RENEW_BATCH`] leases, sent with the epoch `epoch`.
@@ -447,7 +445,7 @@ impl RedisBackend {
         ttl: Duration,
         epoch: &str,
         leases: &[(String, u64)],
-    ) -> Result<(Option<Value>, Vec<RenewOutcome>)> {
+    ) -> Result<RenewReply> {
         let mut args = Vec::with_capacity(2 + 2 * leases.len());
         args.push(ttl.as_millis().to_string());
         args.push(epoch.to_owned());
@@ -487,7 +485,8 @@ impl RedisBackend {
                 _ => Ok(RenewOutcome::Gone),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok((reply.get(1).cloned(), outcomes))
+        let epoch = self.saw_epoch(&keys.name, reply.get(1))?;
+        Ok(RenewReply { epoch, outcomes })
     }
 }
 
@@ -514,7 +513,7 @@ impl RedisBackend {
         args.extend([
             ttl.as_millis().to_string(),
             limit.to_string(),
-            self.epochs(&keys.name).seen,
+            self.seen_epoch(&keys.name),
         ]);
         args.extend(ids.iter().cloned());
         let reply = self
@@ -529,12 +528,17 @@ impl RedisBackend {
             .into());
         }
         let now_ms = int(reply.get(1))?;
+        let epoch = self.saw_epoch(&keys.name, reply.first())?;
         let answers = ids
             .into_iter()
             .zip(reply[2..].chunks(4))
             .map(|(id, answer)| match int(answer.first())? {
-                1 => Ok(AcquireReply::Acquired(lease_record(id, answer, now_ms)?)),
-                2 => Ok(AcquireReply::Held(lease_record(id, answer, now_ms)?)),
+                1 => Ok(AcquireReply::Acquired(lease_record(
+                    id, answer, now_ms, &epoch,
+                )?)),
+                2 => Ok(AcquireReply::Held(lease_record(
+                    id, answer, now_ms, &epoch,
+                )?)),
                 3 => Ok(AcquireReply::Cancelled {
                     reason: text(answer.get(1))?,
                 }),
@@ -548,10 +552,6 @@ impl RedisBackend {
                 other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
             })
             .collect::<Result<Vec<_>>>()?;
-        let confirmed = answers
-            .iter()
-            .any(|a| matches!(a, AcquireReply::Acquired(_) | AcquireReply::Held(_)));
-        self.saw_epoch(&keys.name, reply.first(), confirmed)?;
         Ok(answers)
     }
 
@@ -639,25 +639,21 @@ impl Backend for RedisBackend {
         &self,
         keys: &QuotaKeys,
         ttl: Duration,
+        epoch: &str,
         leases: &[(String, u64)],
-    ) -> Result<Vec<RenewOutcome>> {
-        // Every batch carries the same epoch: a first batch that learns of a loss must not
-        // keep the later ones from re-registering. (The renewal task sends at most one batch
-        // per call, its calls side by side; a call that reads the epoch after another's answer
-        // moved it finds its forgotten leases gone instead of re-registered, and they stop at
-        // once, which is safe.)
-        let epoch = self.epochs(&keys.name).confirmed;
-        let mut outcomes = Vec::with_capacity(leases.len());
-        let mut latest = None;
+    ) -> Result<RenewReply> {
+        // Every batch carries the caller's epoch, the one its leases were confirmed in: a first
+        // batch that learns of a loss must not keep the later ones from re-registering.
+        let mut renewed = RenewReply {
+            epoch: epoch.to_owned(),
+            outcomes: Vec::with_capacity(leases.len()),
+        };
         for batch in leases.chunks(RENEW_BATCH) {
-            let (reply_epoch, batch_outcomes) = self.renew_batch(keys, ttl, &epoch, batch).await?;
-            latest = reply_epoch;
-            outcomes.extend(batch_outcomes);
+            let reply = self.renew_batch(keys, ttl, epoch, batch).await?;
+            renewed.epoch = reply.epoch;
+            renewed.outcomes.extend(reply.outcomes);
         }
-        if latest.is_some() {
-            self.saw_epoch(&keys.name, latest.as_ref(), true)?;
-        }
-        Ok(outcomes)
+        Ok(renewed)
     }
 
     async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool> {
@@ -733,6 +729,7 @@ impl Backend for RedisBackend {
                     acquired_at_ms: int(c.get(2))?,
                     deadline_ms: int(c.get(3))?,
                     now_ms,
+                    epoch: String::new(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
