@@ -8,7 +8,8 @@
 //! * [`Reply`] and [`RedisServer::command`]: a tiny blocking RESP2 client to
 //!   inspect or prepare server state without an async runtime;
 //! * [`proxy::FaultProxy`]: a TCP proxy in front of a server with switchable faults
-//!   (latency, stall, dropped connections, partition, lost Pub/Sub deliveries);
+//!   (latency, stall, dropped connections, partition, lost Pub/Sub deliveries, wedged
+//!   connections);
 //! * [`free_port`] and [`temp_dir`]: small helpers.
 //!
 //! The `redis-server` binary is taken from `PATH`, or from the

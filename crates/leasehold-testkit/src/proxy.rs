@@ -15,6 +15,7 @@
 //! proxy.set_latency(Duration::from_millis(100)); // each direction: +200 ms per round trip
 //! proxy.partition(true);                          // this client is cut off from Redis
 //! proxy.partition(false);
+//! proxy.wedge_connections();                       // today's connections go silent for good
 //! assert_ne!(proxy.port(), server.port());
 //! ```
 
@@ -84,6 +85,8 @@ impl Faults {
 #[derive(Debug)]
 struct Connection {
     client: TcpStream,
+    /// Set by [`FaultProxy::wedge_connections`]: this connection forwards nothing any more.
+    wedged: Arc<AtomicBool>,
     /// Set once the upstream connection is open.
     upstream: Arc<Mutex<Option<TcpStream>>>,
     closed: Arc<AtomicBool>,
@@ -196,6 +199,21 @@ impl FaultProxy {
             .store(drop, Ordering::Relaxed);
     }
 
+    /// Wedges every connection open now, for good: both directions keep reading (the client's
+    /// writes are accepted, as by a proxy or load balancer that still acknowledges them) and
+    /// forward nothing, bytes already held included, while the sockets stay open. Connections
+    /// opened later forward normally: a connection wedged above TCP, the fault a client only
+    /// escapes by opening a new connection. A wedged connection ends when either side closes
+    /// it. Returns how many connections were wedged.
+    pub fn wedge_connections(&self) -> usize {
+        let mut connections = lock(&self.shared.connections);
+        connections.retain(|c| !c.thread.is_finished());
+        for connection in connections.iter() {
+            connection.wedged.store(true, Ordering::Relaxed);
+        }
+        connections.len()
+    }
+
     /// Client connections open right now.
     pub fn connections(&self) -> usize {
         let mut connections = lock(&self.shared.connections);
@@ -244,17 +262,23 @@ fn open(client: TcpStream, shared: &Arc<Shared>) -> io::Result<()> {
     client.set_nodelay(true)?;
     let upstream = Arc::new(Mutex::new(None));
     let closed = Arc::new(AtomicBool::new(false));
+    let wedged = Arc::new(AtomicBool::new(false));
     let thread = {
         let client = client.try_clone()?;
         let (upstream, closed, shared) = (upstream.clone(), closed.clone(), shared.clone());
+        let links = Links {
+            closed,
+            wedged: wedged.clone(),
+        };
         thread::Builder::new()
             .name("fault-proxy-conn".into())
-            .spawn(move || run_connection(client, &upstream, &closed, &shared))?
+            .spawn(move || run_connection(client, &upstream, &links, &shared))?
     };
     let mut connections = lock(&shared.connections);
     connections.retain(|c| !c.thread.is_finished());
     connections.push(Connection {
         client,
+        wedged,
         upstream,
         closed,
         thread,
@@ -262,13 +286,21 @@ fn open(client: TcpStream, shared: &Arc<Shared>) -> io::Result<()> {
     Ok(())
 }
 
+/// The switches of one connection, shared by its two directions.
+#[derive(Debug, Clone)]
+pub(crate) struct Links {
+    pub(crate) closed: Arc<AtomicBool>,
+    pub(crate) wedged: Arc<AtomicBool>,
+}
+
 /// Connects upstream, then forwards both directions until either side closes.
 fn run_connection(
     client: TcpStream,
     upstream_slot: &Mutex<Option<TcpStream>>,
-    closed: &Arc<AtomicBool>,
+    links: &Links,
     shared: &Arc<Shared>,
 ) {
+    let closed = &links.closed;
     let upstream = match TcpStream::connect_timeout(&shared.upstream, UPSTREAM_CONNECT_TIMEOUT) {
         Ok(upstream) => upstream,
         Err(_) => {
@@ -294,7 +326,7 @@ fn run_connection(
         return;
     }
     let backward = {
-        let (closed, shared) = (closed.clone(), shared.clone());
+        let (links, shared) = (links.clone(), shared.clone());
         thread::Builder::new()
             .name("fault-proxy-down".into())
             .spawn(move || {
@@ -302,18 +334,12 @@ fn run_connection(
                     upstream_in,
                     client_out,
                     Direction::ToClient,
-                    &closed,
+                    &links,
                     &shared.faults,
                 )
             })
     };
-    pump::forward(
-        client,
-        upstream,
-        Direction::ToServer,
-        closed,
-        &shared.faults,
-    );
+    pump::forward(client, upstream, Direction::ToServer, links, &shared.faults);
     if let Ok(backward) = backward {
         let _ = backward.join();
     }

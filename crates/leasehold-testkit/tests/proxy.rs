@@ -187,6 +187,37 @@ fn drop_connections_closes_them_and_new_ones_work() {
 }
 
 #[test]
+fn wedge_silences_the_open_connections_for_good_and_new_ones_work() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let mut old = Client::connect(proxy.port());
+    old.ping(Duration::from_secs(2));
+    assert_eq!(proxy.wedge_connections(), 1);
+    // The request is accepted but never reaches the server: the key is never set.
+    old.send(&[b"SET", b"wedged", b"1"]);
+    let (got, closed) = old.read_until(b"+OK\r\n", Duration::from_millis(400));
+    assert!(
+        got.is_empty() && !closed,
+        "a wedged link answers nothing and stays open"
+    );
+    assert_eq!(server.command(&["EXISTS", "wedged"]).as_int(), Some(0));
+    let mut new = Client::connect(proxy.port());
+    new.ping(Duration::from_secs(2));
+    // Nothing comes back on the old one later either, unlike a stall.
+    let (got, _) = old.read_until(b"+OK\r\n", Duration::from_millis(300));
+    assert!(got.is_empty(), "{got:?}");
+    assert_eq!(proxy.connections(), 2);
+    // Closing the wedged connection ends it on the proxy too.
+    drop(old);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while proxy.connections() > 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(proxy.connections(), 1);
+    new.ping(Duration::from_secs(2));
+}
+
+#[test]
 fn partition_closes_current_and_new_connections_until_healed() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());

@@ -8,7 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::push_filter::PushFilter;
-use super::Faults;
+use super::{Faults, Links};
 
 /// Longest a forwarding thread blocks before it looks at the switches again.
 const TICK: Duration = Duration::from_millis(5);
@@ -29,14 +29,16 @@ pub(crate) enum Direction {
 }
 
 /// Forwards `src` to `dst` until either side closes, the connection is closed, or the proxy
-/// stops; then shuts both sockets down so that the other direction ends too.
+/// stops; then shuts both sockets down so that the other direction ends too. Once the connection
+/// is wedged, reads go on and are thrown away.
 pub(crate) fn forward(
     mut src: TcpStream,
     mut dst: TcpStream,
     direction: Direction,
-    closed: &AtomicBool,
+    links: &Links,
     faults: &Faults,
 ) {
+    let closed: &AtomicBool = &links.closed;
     let _ = dst.set_write_timeout(Some(WRITE_TIMEOUT));
     let mut queue: VecDeque<(Instant, Vec<u8>)> = VecDeque::new();
     let mut held = 0usize;
@@ -45,6 +47,19 @@ pub(crate) fn forward(
     let mut source_open = true;
     let mut drain_until = None;
     while !closed.load(Ordering::Relaxed) && !faults.stopping() {
+        if links.wedged.load(Ordering::Relaxed) {
+            // Read on, so that a side that closes ends the connection, and forward nothing.
+            queue.clear();
+            held = 0;
+            let _ = src.set_read_timeout(Some(TICK));
+            match src.read(&mut buf) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if is_timeout(&e) => {}
+                Err(_) => break,
+            }
+            continue;
+        }
         if faults.stalled() {
             thread::sleep(TICK);
             continue;

@@ -3,7 +3,9 @@
 //! One `ConnectionManager` per backend carries every command and the Pub/Sub subscriptions
 //! (RESP3 push), reconnects by itself and resubscribes after a reconnect. All I/O runs on the
 //! leasehold runtime (see `runtime.rs`), and every call has its own timeout: a call made while
-//! the link is down would otherwise wait for the manager's whole reconnect budget.
+//! the link is down would otherwise wait for the manager's whole reconnect budget. A connection
+//! that stops answering without breaking (wedged above TCP) is replaced by the backend itself
+//! after a few rounds of call timeouts (`link.rs`, `rebuild`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
@@ -15,6 +17,9 @@ use redis::{ErrorKind, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, 
 use redis::{Script, ServerErrorKind, Value};
 use tokio::sync::{broadcast, mpsc};
 
+mod link;
+
+use self::link::{Link, Next, Ticket};
 use super::batch::Batcher;
 use super::redacted_url::redacted;
 use super::{
@@ -67,11 +72,16 @@ pub struct RedisBackend {
 }
 
 struct Inner {
-    conn: ConnectionManager,
+    /// The connection calls go through, replaced when it stops answering.
+    link: Link<ConnectionManager>,
+    /// What a replacement connection is built from.
+    client: redis::Client,
+    /// Every connection's pushes go to the one `dispatch_pushes` task.
+    push_tx: mpsc::UnboundedSender<PushInfo>,
     options: RedisOptions,
     /// Channel name -> sender of that quota's events, once its SUBSCRIBE is confirmed.
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
-    /// Held by the subscribe in progress.
+    /// Held by the subscribe in progress, and by a rebuild while it resubscribes.
     subscribing: tokio::sync::Mutex<()>,
     /// Quota name -> the latest epoch any reply reported: what acquire sends, so the server can
     /// tell that it lost the quota's state (protocol, "Dataset loss"). Renewals send their
@@ -164,20 +174,11 @@ impl RedisBackend {
                     _ => map_error(e, ""),
                 })?;
             let (push_tx, push_rx) = mpsc::unbounded_channel();
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(connect_options.connect_timeout))
-                .set_response_timeout(Some(connect_options.call_timeout))
-                .set_push_sender(push_tx)
-                .set_automatic_resubscription();
-            let conn =
-                tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
-                    .await
-                    .map_err(|_| {
-                        Error::BackendUnavailable(format!("no connection within {timeout:?}"))
-                    })?
-                    .map_err(|e| map_error(e, ""))?;
+            let conn = new_manager(&client, &connect_options, &push_tx).await?;
             let inner = Arc::new(Inner {
-                conn,
+                link: Link::new(conn, connect_options.call_timeout),
+                client,
+                push_tx,
                 options: connect_options,
                 channels: Mutex::new(HashMap::new()),
                 subscribing: tokio::sync::Mutex::new(()),
@@ -192,8 +193,10 @@ impl RedisBackend {
             // Load every script now: a first renewal that has to go EVALSHA, NOSCRIPT, SCRIPT
             // LOAD, EVALSHA takes three round trips, which a slow link may not fit in a ttl.
             for script in [&*ACQUIRE, &*RENEW, &*RELEASE, &*CANCEL, &*SNAPSHOT] {
-                let mut conn = backend.inner.conn.clone();
-                backend.bounded("", script.load_async(&mut conn)).await?;
+                let (mut conn, ticket) = backend.inner.link.checkout();
+                backend
+                    .bounded("", ticket, script.load_async(&mut conn))
+                    .await?;
             }
             Ok(backend)
         })
@@ -216,19 +219,53 @@ impl RedisBackend {
     }
 
     async fn call_raw(&self, cmd: redis::Cmd) -> Result<Value> {
-        let mut conn = self.inner.conn.clone();
-        self.bounded("", async move { cmd.query_async::<Value>(&mut conn).await })
-            .await
+        let (mut conn, ticket) = self.inner.link.checkout();
+        self.bounded("", ticket, async move {
+            cmd.query_async::<Value>(&mut conn).await
+        })
+        .await
     }
 
-    /// Runs `fut` with the call timeout, mapping errors for the quota `quota`.
+    /// Connections built to replace one that stopped answering, since this backend connected
+    /// (attempts that could not connect included). For tests and diagnostics.
+    #[doc(hidden)]
+    pub fn connection_rebuilds(&self) -> u64 {
+        self.inner.link.rebuilds()
+    }
+
+    /// Runs `fut`, a call on the connection `ticket` was issued with, with the call timeout,
+    /// mapping errors for the quota `quota`; its outcome feeds the wedge detection.
     async fn bounded<T>(
         &self,
         quota: &str,
+        ticket: Ticket,
         fut: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> Result<T> {
         let timeout = self.inner.options.call_timeout;
-        match tokio::time::timeout(timeout, fut).await {
+        let result = tokio::time::timeout(timeout, fut).await;
+        let timed_out = match &result {
+            Err(_) => true,
+            // redis-rs's own response timeout (the same duration) may fire first.
+            Ok(Err(e)) if e.is_timeout() => true,
+            // A broken connection is redis-rs's to replace: neither an answer nor a wedge.
+            Ok(Err(e)) if e.is_unrecoverable_error() || e.is_io_error() => false,
+            Ok(_) => {
+                self.inner.link.replied(ticket);
+                false
+            }
+        };
+        if timed_out {
+            match self.inner.link.timed_out(ticket) {
+                Next::Nothing => {}
+                Next::Probe => {
+                    runtime::spawn(probe(self.clone()));
+                }
+                Next::Rebuild => {
+                    runtime::spawn(rebuild(self.inner.clone()));
+                }
+            }
+        }
+        match result {
             Ok(result) => result.map_err(|e| map_error(e, quota)),
             Err(_) => Err(Error::BackendUnavailable(format!(
                 "no reply from redis within {timeout:?}"
@@ -252,12 +289,115 @@ impl RedisBackend {
             for arg in &args {
                 invocation.arg(arg);
             }
-            let mut conn = this.inner.conn.clone();
-            this.bounded(&quota, invocation.invoke_async::<Vec<Value>>(&mut conn))
-                .await
+            let (mut conn, ticket) = this.inner.link.checkout();
+            this.bounded(
+                &quota,
+                ticket,
+                invocation.invoke_async::<Vec<Value>>(&mut conn),
+            )
+            .await
         })
         .await
     }
+}
+
+/// One `PING` after a round of call timeouts: an answer clears the connection, silence counts
+/// one more round (see `link.rs`). Boxed: it is a call, and a call may start a probe.
+fn probe(backend: RedisBackend) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        let _ = backend.call_raw(redis::cmd("PING")).await;
+    })
+}
+
+/// The settings of every connection of a backend: the first and its replacements.
+async fn new_manager(
+    client: &redis::Client,
+    options: &RedisOptions,
+    push_tx: &mpsc::UnboundedSender<PushInfo>,
+) -> Result<ConnectionManager> {
+    let timeout = options.call_timeout;
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(options.connect_timeout))
+        .set_response_timeout(Some(options.call_timeout))
+        .set_push_sender(push_tx.clone())
+        .set_automatic_resubscription();
+    tokio::time::timeout(
+        timeout,
+        ConnectionManager::new_with_config(client.clone(), config),
+    )
+    .await
+    .map_err(|_| Error::BackendUnavailable(format!("no connection within {timeout:?}")))?
+    .map_err(|e| map_error(e, ""))
+}
+
+/// Replaces a connection that stopped answering (see `link.rs`): connects anew, swaps the new
+/// connection in for every later call, and subscribes it to every quota channel the old one
+/// carried.
+///
+/// The old connection is only let go, not closed: each call under way on it holds its own
+/// handle and ends as it would have (its reply, or its call timeout), after which the connection
+/// closes. So a rebuild loses no reply that would have come in time. A request the wedge let
+/// through whose reply never comes is the ambiguous outcome of any call timeout, handled as
+/// before: an acquire that admitted the task returns `BackendUnavailable`, no handle adopts the
+/// lease, nobody renews it, and Redis reaps it one ttl later; a retry of the same task id
+/// meanwhile comes back `held` and takes it over (PROTOCOL.md §6, duty 7). The orphan cleanup of
+/// `Quota::acquire_timeout` is for replies that do arrive after the caller gave up, and is not
+/// involved.
+///
+/// Boxed: its resubscription is a call, and a call may start a rebuild.
+fn rebuild(inner: Arc<Inner>) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        let rounds = inner.link.rounds();
+        tracing::warn!(
+            rounds,
+            call_timeout = ?inner.options.call_timeout,
+            "redis connection not answering: replacing it"
+        );
+        let conn = match new_manager(&inner.client, &inner.options, &inner.push_tx).await {
+            Ok(conn) => conn,
+            Err(e) => {
+                tracing::warn!(error = %e, "no replacement redis connection; retrying later");
+                inner.link.rebuild_failed();
+                return;
+            }
+        };
+        // Calls move to the new connection at once; the subscriptions follow under the subscribe
+        // lock, so a subscribe either finished before (its channel is resubscribed here) or runs
+        // after, on the new connection.
+        inner.link.swap(conn);
+        let _one_at_a_time = inner.subscribing.lock().await;
+        let names: Vec<String> = {
+            let channels = inner.channels.lock().unwrap_or_else(|e| e.into_inner());
+            channels.keys().cloned().collect()
+        };
+        if names.is_empty() {
+            tracing::info!("redis connection replaced");
+            return;
+        }
+        let backend = RedisBackend {
+            inner: inner.clone(),
+        };
+        let (mut conn, ticket) = inner.link.checkout();
+        let subscribed = backend
+            .bounded("", ticket, async move { conn.subscribe(&names).await })
+            .await;
+        match subscribed {
+            // Each confirmation arrives as a push, which `dispatch_pushes` turns into
+            // `QuotaEvent::Resubscribed`: waiters re-check what the wedge kept from them.
+            Ok(()) => tracing::info!("redis connection replaced and resubscribed"),
+            Err(e) => {
+                // Closing every quota's event channel ends its listener, and the quota subscribes
+                // again at its next acquire or waiter round; meanwhile waiting runs on timers and
+                // polls, as without events.
+                tracing::warn!(error = %e, "redis connection replaced, resubscribing failed");
+                inner
+                    .channels
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clear();
+            }
+        }
+    })
 }
 
 /// Routes RESP3 push messages to the quota whose channel they came from.
@@ -758,10 +898,10 @@ impl Backend for RedisBackend {
             // In place before the SUBSCRIBE, so the first messages after it find their way.
             let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
             channels().insert(channel.clone(), sender);
-            let mut conn = this.inner.conn.clone();
+            let (mut conn, ticket) = this.inner.link.checkout();
             let name = channel.clone();
             let result = this
-                .bounded("", async move { conn.subscribe(&name).await })
+                .bounded("", ticket, async move { conn.subscribe(&name).await })
                 .await;
             if let Err(e) = result {
                 // Let the next caller try again.
