@@ -623,6 +623,7 @@ fn eval_acquire(
         "epoch",
         "quarantine",
         "waiting",
+        "limit",
     ]
     .iter()
     .map(|s| k(s))
@@ -635,7 +636,8 @@ fn eval_acquire(
     );
     let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
     args.extend(keys.iter().map(String::as_str));
-    args.extend([ttl.as_str(), limit.as_str(), ""]);
+    // No epoch; limit version 0.
+    args.extend([ttl.as_str(), limit.as_str(), "", "0"]);
     args.extend(ids);
     server.command(&args)
 }
