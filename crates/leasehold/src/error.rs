@@ -108,11 +108,13 @@ pub enum Misconfiguration {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// No slot is free right now ([`Quota::try_acquire`](crate::Quota::try_acquire)).
-    #[error("quota {quota:?} is full ({limit} of {limit} slots held)")]
+    #[error("quota {quota:?} is full (no slot free; this handle's limit is {limit})")]
     Full {
         /// The quota's name.
         quota: String,
-        /// Its limit.
+        /// The limit configured on the handle. The quota admits up to the limit its backend
+        /// stores, which a client with a higher limit version may have set
+        /// ([`Status::effective_limit`](crate::Status::effective_limit)).
         limit: u32,
     },
     /// No slot became free within the time the caller allowed.
