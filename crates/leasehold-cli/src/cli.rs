@@ -61,6 +61,11 @@ pub struct RunArgs {
     /// How many tasks may run at once, fleet-wide.
     #[arg(long, value_name = "N")]
     pub limit: u64,
+    /// The version of --limit: Redis keeps one limit per quota, and a run with a higher version
+    /// replaces it for everyone; a lower one runs under the stored limit; the same version with
+    /// another limit is refused (exit 78). Raise it whenever you change --limit.
+    #[arg(long, default_value_t = 0, value_name = "V")]
+    pub limit_version: u64,
     /// Lease time to live: a crashed holder's slot comes back this long after its last renewal.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub ttl: Duration,
@@ -86,7 +91,8 @@ pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// The quota's limit, to show free slots (the limit lives in the clients, not in Redis).
+    /// The limit to show when Redis stores none yet (no acquire since the quota was created or
+    /// its data was lost); the stored limit is shown otherwise.
     #[arg(long, value_name = "N")]
     pub limit: Option<u64>,
 }

@@ -14,7 +14,8 @@ pub const SOFTWARE: i32 = 70;
 pub const IO_ERROR: i32 = 74;
 /// No slot within --wait (EX_TEMPFAIL).
 pub const NO_SLOT: i32 = 75;
-/// Bad configuration: URL, credentials, limit, names, a key of the wrong type (EX_CONFIG).
+/// Bad configuration: URL, credentials, limit, a limit that disagrees with the stored one, names,
+/// a key of the wrong type (EX_CONFIG).
 pub const CONFIG: i32 = 78;
 /// The lease was lost while the command ran; the command was terminated.
 pub const LEASE_LOST: i32 = 79;

@@ -102,13 +102,15 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
             if let Some(id) = &args.task_id {
                 validate_task_id(id)?;
             }
-            let b = base(args.limit).ttl(args.ttl);
+            let b = base(args.limit)
+                .limit_version(args.limit_version)
+                .ttl(args.ttl);
             match args.heartbeat {
                 Some(every) => b.heartbeat(every),
                 None => b,
             }
         }
-        // The limit only matters for the free-slot column; 1 is a placeholder when unknown.
+        // Only shown when Redis stores no limit; 1 is a placeholder when unknown.
         Command::Status(args) => base(args.limit.unwrap_or(1)),
         Command::Cancel(args) => {
             validate_task_id(&args.task_id)?;

@@ -20,8 +20,11 @@ fn between(from: SystemTime, to: SystemTime) -> Duration {
 
 pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i32, Failure> {
     let status = quota.status().await?;
-    let limit = limit_known.then_some(status.limit);
-    let free = limit_known.then(|| status.free());
+    // The stored limit is the quota's; --limit only stands in while none is stored.
+    let known = limit_known || status.stored_limit.is_some();
+    let limit = known.then(|| status.effective_limit());
+    let version = status.stored_limit.map(|s| s.version);
+    let free = known.then(|| status.free());
     if as_json {
         let holders: Vec<_> = status
             .holders
@@ -41,6 +44,7 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
             "quota": status.quota,
             "now_ms": millis(status.now),
             "limit": limit,
+            "limit_version": version,
             "held": status.holders.len(),
             "free": free,
             "holders": holders,
@@ -51,9 +55,10 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
     let shown = |v: Option<u32>| v.map_or_else(|| "?".to_owned(), |n| n.to_string());
     // Built whole, then written once: a failed write is one error, not a panic mid-table.
     let mut table = String::new();
+    let version = version.map_or_else(String::new, |v| format!(" (version {v})"));
     let _ = writeln!(
         table,
-        "quota {}: {} held, limit {}, free {}",
+        "quota {}: {} held, limit {}{version}, free {}",
         status.quota,
         status.holders.len(),
         shown(limit),

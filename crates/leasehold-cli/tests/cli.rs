@@ -232,12 +232,21 @@ fn status_shows_holders_as_a_table_and_as_json() {
     wait_held(&server, "st", "visible");
     let table = run_cli(&server.url(), "st", ["status", "--limit", "2"]);
     let text = String::from_utf8_lossy(&table.stdout);
-    assert!(text.contains("1 held, limit 2, free 1"), "{text}");
+    assert!(
+        text.contains("1 held, limit 2 (version 0), free 1"),
+        "{text}"
+    );
     assert!(text.contains("visible"), "{text}");
     let json = run_cli(&server.url(), "st", ["status", "--json"]);
     let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(doc["held"], 1);
     assert_eq!(doc["holders"][0]["task_id"], "visible");
+    // Without --limit: the limit Redis stores.
+    assert_eq!(
+        (doc["limit"].as_u64(), doc["free"].as_u64()),
+        (Some(2), Some(1))
+    );
+    assert_eq!(doc["limit_version"], 0);
     assert!(doc["holders"][0]["fencing_token"].as_u64().unwrap() >= 1);
     let released = run_cli(&server.url(), "st", ["release", "visible"]);
     assert_eq!(released.status.code(), Some(0));
@@ -423,8 +432,18 @@ fn a_signal_while_waiting_leaves_no_late_admission_behind() {
 #[test]
 fn bad_input_is_refused_before_connecting() {
     let refused = format!("redis://127.0.0.1:{}/", free_port());
-    let cases: [&[&str]; 6] = [
+    let too_new = (leasehold::MAX_LIMIT_VERSION + 1).to_string();
+    let cases: [&[&str]; 7] = [
         &["run", "--limit", "0", "--", "true"],
+        &[
+            "run",
+            "--limit",
+            "1",
+            "--limit-version",
+            &too_new,
+            "--",
+            "true",
+        ],
         &["run", "--limit", "1", "--ttl", "1ms", "--", "true"],
         &["run", "--limit", "1", "--task-id", "", "--", "true"],
         &["cancel", ""],
@@ -508,4 +527,106 @@ fn output_that_cannot_be_written_is_reported_not_panicked() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(stderr(&out).contains("cannot write"), "{}", stderr(&out));
     assert_eq!(holders(&server, "out"), 0);
+}
+
+/// F29 on the command line: Redis keeps one limit per quota; a higher --limit-version replaces it,
+/// a lower one runs under it, and the same version with another limit exits 78, taking no slot.
+#[test]
+fn limit_versions_decide_the_limit_and_a_mismatch_exits_78() {
+    let server = RedisServer::start();
+    let mut holder = leasehold(&server.url(), "lv")
+        .args([
+            "run",
+            "--limit",
+            "2",
+            "--limit-version",
+            "1",
+            "--task-id",
+            "a",
+            "--",
+            "sleep",
+            "30",
+        ])
+        .spawn()
+        .unwrap();
+    wait_held(&server, "lv", "a");
+    let mismatch = run_cli(
+        &server.url(),
+        "lv",
+        [
+            "run",
+            "--limit",
+            "3",
+            "--limit-version",
+            "1",
+            "--wait",
+            "0",
+            "--",
+            "true",
+        ],
+    );
+    let err = stderr(&mismatch);
+    assert_eq!(mismatch.status.code(), Some(78), "{err}");
+    assert!(err.contains("limit mismatch"), "{err}");
+    assert_eq!(holders(&server, "lv"), 1, "the refused run took no slot");
+    // An older version runs under the stored limit 2, not its own 1 (which is full).
+    let older = run_cli(
+        &server.url(),
+        "lv",
+        ["run", "--limit", "1", "--wait", "0", "--", "true"],
+    );
+    assert_eq!(older.status.code(), Some(0), "{}", stderr(&older));
+    let json = run_cli(&server.url(), "lv", ["status", "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(
+        (doc["limit"].as_u64(), doc["limit_version"].as_u64()),
+        (Some(2), Some(1))
+    );
+    // A higher version lowers it to 1 for everyone: the holder keeps its slot, nobody else runs.
+    let lower = run_cli(
+        &server.url(),
+        "lv",
+        [
+            "run",
+            "--limit",
+            "1",
+            "--limit-version",
+            "2",
+            "--wait",
+            "0",
+            "--",
+            "true",
+        ],
+    );
+    assert_eq!(lower.status.code(), Some(75), "{}", stderr(&lower));
+    let older = run_cli(
+        &server.url(),
+        "lv",
+        [
+            "run",
+            "--limit",
+            "2",
+            "--limit-version",
+            "1",
+            "--wait",
+            "0",
+            "--",
+            "true",
+        ],
+    );
+    assert_eq!(older.status.code(), Some(75), "{}", stderr(&older));
+    assert_eq!(
+        holders(&server, "lv"),
+        1,
+        "lowering the limit evicted nobody"
+    );
+    let table = run_cli(&server.url(), "lv", ["status"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        text.contains("1 held, limit 1 (version 2), free 0"),
+        "{text}"
+    );
+    // SAFETY: kill(2) on our child's pid.
+    unsafe { libc::kill(holder.id() as i32, libc::SIGTERM) };
+    wait_exit(&mut holder, Duration::from_secs(10));
 }

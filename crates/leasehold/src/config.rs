@@ -5,9 +5,10 @@ use std::time::{Duration, Instant};
 
 use crate::backend::memory::MemoryBackend;
 use crate::backend::Backend;
+use crate::backend::VersionedLimit;
 use crate::breaker::BreakerConfig;
 use crate::error::{Misconfiguration, Result};
-use crate::keys::{validate_limit, QuotaKeys};
+use crate::keys::{validate_limit, validate_limit_version, QuotaKeys};
 use crate::quota::Quota;
 
 /// Shortest lease ttl accepted.
@@ -44,7 +45,7 @@ pub enum BackendDownPolicy {
 /// The validated settings of a quota.
 #[derive(Debug, Clone)]
 pub(crate) struct QuotaConfig {
-    pub(crate) limit: u32,
+    pub(crate) limit: VersionedLimit,
     pub(crate) ttl: Duration,
     pub(crate) heartbeat: Duration,
     pub(crate) safety_margin: Duration,
@@ -67,6 +68,7 @@ impl QuotaConfig {
 pub struct QuotaBuilder {
     name: String,
     limit: Option<u64>,
+    limit_version: u64,
     ttl: Duration,
     heartbeat: Option<Duration>,
     safety_margin: Option<Duration>,
@@ -83,6 +85,7 @@ impl QuotaBuilder {
         QuotaBuilder {
             name: name.into(),
             limit: None,
+            limit_version: 0,
             ttl: Duration::from_secs(10),
             heartbeat: None,
             safety_margin: None,
@@ -96,8 +99,54 @@ impl QuotaBuilder {
     }
 
     /// How many leases may be held at once, fleet-wide. Required; 1 to [`MAX_LIMIT`](crate::MAX_LIMIT).
+    ///
+    /// The backend stores the quota's limit with a [version](Self::limit_version), and every
+    /// client admits against the stored one: see `limit_version` for how a new limit takes
+    /// effect.
     pub fn limit(mut self, limit: u64) -> Self {
         self.limit = Some(limit);
+        self
+    }
+
+    /// The version of this handle's [`limit`](Self::limit). Default 0; at most
+    /// [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION).
+    ///
+    /// The backend keeps one limit per quota, with its version, set by the first acquire. An
+    /// acquire with a higher version replaces it, for every client at once; a client with a
+    /// lower version admits up to the stored limit, not its own; a client with the same version
+    /// but another limit admits nothing and gets
+    /// [`Misconfiguration::LimitMismatch`](crate::Misconfiguration::LimitMismatch) (a task that
+    /// already holds a lease still gets it back). So the effective limit is never the largest of
+    /// the configured ones, and changing the limit means raising its version. A lower limit
+    /// evicts nobody: admissions stop until fewer leases than it are live.
+    ///
+    /// A rolling deploy from limit 5 to limit 8: the new build raises the version with the
+    /// limit. Its first acquire stores `8 @ v2`, and the workers still on `5 @ v1` admit up to 8
+    /// from then on. Deploying `8` at the old version would be refused as a mismatch instead.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> leasehold::Result<()> {
+    /// use leasehold::{Error, MemoryBackend, Misconfiguration, Quota};
+    /// let backend = std::sync::Arc::new(MemoryBackend::new());
+    /// let old = Quota::builder("api").limit(5).limit_version(1)
+    ///     .shared_backend(backend.clone()).build()?;
+    /// let new = Quota::builder("api").limit(8).limit_version(2)
+    ///     .shared_backend(backend.clone()).build()?;
+    /// let _a = old.try_acquire("a").await?; // stores 5 @ v1
+    /// let _b = new.try_acquire("b").await?; // stores 8 @ v2, for everyone
+    /// assert_eq!(old.status().await?.effective_limit(), 8);
+    ///
+    /// // The same version with another limit: a typed error, never `Full`, no slot taken.
+    /// let wrong = Quota::builder("api").limit(6).limit_version(2)
+    ///     .shared_backend(backend).build()?;
+    /// assert!(matches!(
+    ///     wrong.try_acquire("c").await,
+    ///     Err(Error::Misconfigured(Misconfiguration::LimitMismatch { configured: 6, stored: 8, version: 2 }))
+    /// ));
+    /// # Ok(()) }
+    /// ```
+    pub fn limit_version(mut self, version: u64) -> Self {
+        self.limit_version = version;
         self
     }
 
@@ -193,7 +242,10 @@ impl QuotaBuilder {
 
     fn settings(&self) -> Result<(QuotaKeys, QuotaConfig)> {
         let keys = QuotaKeys::new(&self.name)?;
-        let limit = validate_limit(self.limit.ok_or(Misconfiguration::InvalidLimit(0))?)?;
+        let limit = VersionedLimit {
+            limit: validate_limit(self.limit.ok_or(Misconfiguration::InvalidLimit(0))?)?,
+            version: validate_limit_version(self.limit_version)?,
+        };
         let timing = |why: String| Misconfiguration::InvalidTiming(why);
         if self.ttl < MIN_TTL || self.ttl > MAX_TTL {
             return Err(timing(format!(
@@ -273,6 +325,10 @@ mod tests {
         let q = || QuotaBuilder::new("q").limit(3);
         assert!(misconfigured(QuotaBuilder::new("q")), "limit is required");
         assert!(misconfigured(q().limit(0)));
+        assert!(misconfigured(
+            q().limit_version(crate::MAX_LIMIT_VERSION + 1)
+        ));
+        assert!(!misconfigured(q().limit_version(crate::MAX_LIMIT_VERSION)));
         assert!(misconfigured(q().ttl(Duration::from_millis(1))));
         assert!(misconfigured(
             q().ttl(Duration::from_secs(1))

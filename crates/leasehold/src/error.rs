@@ -46,6 +46,26 @@ pub enum Misconfiguration {
     /// The limit is 0 or above [`MAX_LIMIT`](crate::MAX_LIMIT).
     #[error("invalid limit {0}: must be between 1 and {max}", max = crate::MAX_LIMIT)]
     InvalidLimit(u64),
+    /// The limit version is above [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION).
+    #[error("invalid limit version {0}: must be at most {max}", max = crate::MAX_LIMIT_VERSION)]
+    InvalidLimitVersion(u64),
+    /// The backend stores another limit under the same limit version as this handle's: clients
+    /// of the quota disagree on its limit (say, half of a rolling deploy changed the limit
+    /// without raising [`QuotaBuilder::limit_version`](crate::QuotaBuilder::limit_version)).
+    /// Nothing was admitted. Raise the version of the new limit, or configure the stored one.
+    #[error(
+        "limit mismatch: this handle is configured with limit {configured}, the quota stores \
+         limit {stored} under the same limit version {version}; raise the limit version to \
+         change the limit"
+    )]
+    LimitMismatch {
+        /// The limit this handle was configured with.
+        configured: u32,
+        /// The limit the backend stores for the quota.
+        stored: u32,
+        /// The limit version both share.
+        version: u64,
+    },
     /// The task id is empty, longer than [`MAX_TASK_ID_BYTES`](crate::MAX_TASK_ID_BYTES), or
     /// contains control characters.
     #[error("invalid task id: {0}")]
@@ -88,11 +108,13 @@ pub enum Misconfiguration {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// No slot is free right now ([`Quota::try_acquire`](crate::Quota::try_acquire)).
-    #[error("quota {quota:?} is full ({limit} of {limit} slots held)")]
+    #[error("quota {quota:?} is full (no slot free; this handle's limit is {limit})")]
     Full {
         /// The quota's name.
         quota: String,
-        /// Its limit.
+        /// The limit configured on the handle. The quota admits up to the limit its backend
+        /// stores, which a client with a higher limit version may have set
+        /// ([`Status::effective_limit`](crate::Status::effective_limit)).
         limit: u32,
     },
     /// No slot became free within the time the caller allowed.

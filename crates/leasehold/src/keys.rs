@@ -8,6 +8,10 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest limit a quota may have.
 pub const MAX_LIMIT: u32 = 1_000_000;
 
+/// Largest limit version a quota may have: 2^53 − 1, so that the version is exact in the Lua
+/// numbers (doubles) the scripts compare it as.
+pub const MAX_LIMIT_VERSION: u64 = (1 << 53) - 1;
+
 /// Largest task id, in bytes.
 pub const MAX_TASK_ID_BYTES: usize = 1024;
 
@@ -26,6 +30,9 @@ pub struct QuotaKeys {
     pub holders: String,
     /// STRING counter: the last fencing token handed out.
     pub fence: String,
+    /// HASH: `limit` = the limit acquire admits up to, `version` = its limit version. Written by
+    /// the acquire of a caller with a higher version (or the first one); no TTL.
+    pub limit: String,
     /// Pub/Sub channel for release and cancel events.
     pub events: String,
     /// HASH: `id` = the current epoch (changes when the quota's state was lost), `detected_ms` =
@@ -50,6 +57,7 @@ impl QuotaKeys {
             leases: format!("{base}:leases"),
             holders: format!("{base}:holders"),
             fence: format!("{base}:fence"),
+            limit: format!("{base}:limit"),
             events: format!("{base}:events"),
             epoch: format!("{base}:epoch"),
             quarantine: format!("{base}:quarantine"),
@@ -100,6 +108,14 @@ pub fn validate_task_id(id: &str) -> Result<()> {
     Ok(())
 }
 
+/// Rejects a limit version above [`MAX_LIMIT_VERSION`].
+pub fn validate_limit_version(version: u64) -> Result<u64> {
+    if version > MAX_LIMIT_VERSION {
+        return Err(Misconfiguration::InvalidLimitVersion(version).into());
+    }
+    Ok(version)
+}
+
 /// Rejects a limit of 0 or above [`MAX_LIMIT`].
 pub fn validate_limit(limit: u64) -> Result<u32> {
     if limit == 0 || limit > u64::from(MAX_LIMIT) {
@@ -118,6 +134,7 @@ mod tests {
         assert_eq!(k.leases, "leasehold:{llm:gpt}:leases");
         assert_eq!(k.holders, "leasehold:{llm:gpt}:holders");
         assert_eq!(k.fence, "leasehold:{llm:gpt}:fence");
+        assert_eq!(k.limit, "leasehold:{llm:gpt}:limit");
         assert_eq!(k.events, "leasehold:{llm:gpt}:events");
         assert_eq!(k.waiting, "leasehold:{llm:gpt}:waiting");
         assert_eq!(k.cancel("t:1"), "leasehold:{llm:gpt}:cancel:t:1");
@@ -139,5 +156,7 @@ mod tests {
         assert!(validate_limit(0).is_err());
         assert!(validate_limit(u64::from(MAX_LIMIT) + 1).is_err());
         assert_eq!(validate_limit(10).unwrap(), 10);
+        assert!(validate_limit_version(MAX_LIMIT_VERSION).is_ok());
+        assert!(validate_limit_version(MAX_LIMIT_VERSION + 1).is_err());
     }
 }

@@ -50,13 +50,13 @@ mod waiters;
 
 pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
-pub use backend::Backend;
+pub use backend::{Backend, VersionedLimit};
 pub use breaker::{BreakerConfig, BreakerMode};
 pub use config::{BackendDownPolicy, QuotaBuilder, MAX_CANCEL_MARKER_TTL, MAX_TTL, MIN_TTL};
 pub use error::{Error, LostReason, Misconfiguration, Result};
 pub use keys::{
-    validate_task_id, QuotaKeys, MAX_LIMIT, MAX_QUOTA_NAME_BYTES, MAX_TASK_ID_BYTES,
-    PROTOCOL_VERSION,
+    validate_task_id, QuotaKeys, MAX_LIMIT, MAX_LIMIT_VERSION, MAX_QUOTA_NAME_BYTES,
+    MAX_TASK_ID_BYTES, PROTOCOL_VERSION,
 };
 pub use lease::Lease;
 pub use quota::{Holder, Quota, Status};

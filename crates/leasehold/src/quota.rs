@@ -9,11 +9,11 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::admissions::Admissions;
-use crate::backend::{AcquireReply, Backend, LeaseRecord};
+use crate::backend::{AcquireReply, Backend, LeaseRecord, VersionedLimit};
 use crate::breaker::{Breaker, BreakerMode, Permit};
 use crate::config::BackendDownPolicy;
 use crate::config::{QuotaBuilder, QuotaConfig};
-use crate::error::{Error, LostReason, Result};
+use crate::error::{Error, LostReason, Misconfiguration, Result};
 use crate::keys::{validate_task_id, QuotaKeys};
 use crate::lease::{Lease, LeaseInner};
 use crate::waiters::WaitQueue;
@@ -100,6 +100,12 @@ pub struct Status {
     pub quota: String,
     /// The limit configured on this handle.
     pub limit: u32,
+    /// The limit version configured on this handle.
+    pub limit_version: u64,
+    /// The limit the backend stores and admits up to, with its version: the quota's effective
+    /// limit. `None` before the quota's first acquire, or after the backend lost its data; the
+    /// next acquire stores its caller's.
+    pub stored_limit: Option<VersionedLimit>,
     /// The backend's time of the snapshot.
     pub now: SystemTime,
     /// The live leases, earliest deadline first.
@@ -107,9 +113,25 @@ pub struct Status {
 }
 
 impl Status {
-    /// Slots free right now (0 when over-full, which only a lower limit on this handle shows).
+    /// The limit acquires are admitted against: the stored one, or this handle's while none is
+    /// stored (its first acquire will store it).
+    pub fn effective_limit(&self) -> u32 {
+        self.stored_limit.map_or(self.limit, |stored| stored.limit)
+    }
+
+    /// True when the backend stores another limit under this handle's limit version: this
+    /// handle's acquires are refused with
+    /// [`Misconfiguration::LimitMismatch`](crate::Misconfiguration::LimitMismatch).
+    pub fn limit_mismatch(&self) -> bool {
+        self.stored_limit
+            .is_some_and(|s| s.version == self.limit_version && s.limit != self.limit)
+    }
+
+    /// Slots free right now under the [effective limit](Self::effective_limit) (0 when more
+    /// leases are live than it allows, after the limit was lowered).
     pub fn free(&self) -> u32 {
-        self.limit.saturating_sub(self.holders.len() as u32)
+        self.effective_limit()
+            .saturating_sub(self.holders.len() as u32)
     }
 }
 
@@ -210,9 +232,17 @@ impl Quota {
         self.shared.admissions.local_held.load(Ordering::Acquire)
     }
 
-    /// The limit this handle admits up to.
+    /// The limit this handle is configured with. The quota admits up to the limit its backend
+    /// stores, which a client with a higher [limit version](crate::QuotaBuilder::limit_version)
+    /// may have replaced: see [`Status::effective_limit`].
     pub fn limit(&self) -> u32 {
-        self.shared.config.limit
+        self.shared.config.limit.limit
+    }
+
+    /// The version of this handle's limit (see
+    /// [`QuotaBuilder::limit_version`](crate::QuotaBuilder::limit_version)).
+    pub fn limit_version(&self) -> u64 {
+        self.shared.config.limit.version
     }
 
     /// The lease ttl.
@@ -270,12 +300,15 @@ impl Quota {
         }
     }
 
-    /// The live leases of the quota, fleet-wide, with this handle's limit.
+    /// The live leases of the quota, fleet-wide, with this handle's limit and the one the backend
+    /// stores.
     pub async fn status(&self) -> Result<Status> {
         let snapshot = self.shared.backend.snapshot(&self.shared.keys).await?;
         Ok(Status {
             quota: self.name().to_owned(),
             limit: self.limit(),
+            limit_version: self.limit_version(),
+            stored_limit: snapshot.limit,
             now: system_time(snapshot.now_ms),
             holders: snapshot
                 .holders
@@ -531,7 +564,7 @@ impl Shared {
                 let sent = Instant::now();
                 let reply = shared
                     .backend
-                    .acquire(&shared.keys, &id, shared.config.ttl, shared.config.limit)
+                    .acquire_with_limit(&shared.keys, &id, shared.config.ttl, shared.config.limit)
                     .await;
                 let admitted = match &reply {
                     Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
@@ -588,6 +621,14 @@ impl Shared {
                     }
                 }
                 Ok(AcquireReply::Cancelled { reason }) => Err(Error::Cancelled(reason)),
+                Ok(AcquireReply::LimitMismatch { stored }) => {
+                    Err(Misconfiguration::LimitMismatch {
+                        configured: shared.config.limit.limit,
+                        stored: stored.limit,
+                        version: stored.version,
+                    }
+                    .into())
+                }
                 Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
                 Err(e) => Err(e),
             };

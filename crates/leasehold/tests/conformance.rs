@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::Fixture;
 use leasehold::backend::{AcquireReply, RenewOutcome};
-use leasehold::{Error, LostReason, Misconfiguration};
+use leasehold::{Error, LostReason, Misconfiguration, VersionedLimit};
 
 const TTL: Duration = Duration::from_millis(600);
 
@@ -43,6 +43,10 @@ conformance!(
     an_older_handle_hears_when_its_task_is_admitted_again,
     a_task_acquired_again_right_after_its_drop_holds_a_live_lease,
     acquires_made_together_with_free_slots_go_at_once,
+    lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it,
+    a_higher_limit_version_applies_to_every_client,
+    the_same_version_with_another_limit_is_a_typed_error_and_takes_no_slot,
+    a_held_task_is_answered_held_despite_a_limit_mismatch,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -813,4 +817,208 @@ async fn a_held_task_acquired_again_during_a_quarantine_gets_its_lease(fx: Fixtu
         quota.try_acquire("new").await,
         Err(Error::Full { .. })
     ));
+}
+
+fn versioned(limit: u32, version: u64) -> VersionedLimit {
+    VersionedLimit { limit, version }
+}
+
+fn is_full(result: &leasehold::Result<leasehold::Lease>) -> bool {
+    matches!(result, Err(Error::Full { .. }))
+}
+
+/// F29: 10 holders, the limit lowered to 3 (a higher version), then raised back to 10.
+async fn lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it(fx: Fixture) {
+    let ten = fx.builder(10, TTL).limit_version(1).build().unwrap();
+    let mut holders = Vec::new();
+    for i in 0..10 {
+        holders.push(ten.try_acquire(&format!("h{i}")).await.unwrap());
+    }
+    // Another process deploys limit 3 at a higher version.
+    let three = common::quota_with(fx.second_client().await, &fx.name, 3, TTL)
+        .limit_version(2)
+        .build()
+        .unwrap();
+    assert!(is_full(&three.try_acquire("new").await));
+    let status = three.status().await.unwrap();
+    assert_eq!(status.stored_limit, Some(versioned(3, 2)));
+    assert_eq!((status.effective_limit(), status.free()), (3, 0));
+    assert_eq!(
+        status.holders.len(),
+        10,
+        "lowering the limit evicted nobody"
+    );
+    // Past a ttl: the holders are renewed, not evicted, and the old version follows the new limit.
+    tokio::time::sleep(TTL + TTL / 2).await;
+    assert!(
+        holders.iter().all(|l| l.is_held()),
+        "every holder still holds"
+    );
+    assert_eq!(ten.status().await.unwrap().holders.len(), 10);
+    assert!(
+        is_full(&ten.try_acquire("old-client").await),
+        "a client of the old version admits against the stored limit, not its own"
+    );
+    // 10 → 3 live: still nobody admitted (live must drop below 3).
+    for lease in holders.drain(3..) {
+        lease.release().await.unwrap();
+    }
+    assert!(is_full(&three.try_acquire("new").await));
+    assert!(is_full(&ten.try_acquire("old-client").await));
+    assert_eq!(three.status().await.unwrap().holders.len(), 3);
+    // 2 live: one admission, then full again at 3.
+    holders.pop().unwrap().release().await.unwrap();
+    let admitted = ten.try_acquire("old-client").await.unwrap();
+    assert!(is_full(&three.try_acquire("new").await));
+    assert_eq!(three.status().await.unwrap().holders.len(), 3);
+    // Raised back to 10 by a third version: everyone admits up to 10 again.
+    let raised = fx.builder(10, TTL).limit_version(3).build().unwrap();
+    let mut more = Vec::new();
+    for i in 0..7 {
+        more.push(raised.try_acquire(&format!("r{i}")).await.unwrap());
+    }
+    assert!(is_full(&raised.try_acquire("r7").await));
+    assert!(is_full(&three.try_acquire("new").await));
+    let status = raised.status().await.unwrap();
+    assert_eq!(status.stored_limit, Some(versioned(10, 3)));
+    assert_eq!(status.holders.len(), 10);
+    drop((admitted, holders, more));
+}
+
+/// F29, a rolling deploy: half the workers run limit 5 at version 1, half limit 8 at version 2.
+/// The effective cap is 8 for all of them, and never more.
+async fn a_higher_limit_version_applies_to_every_client(fx: Fixture) {
+    let old = fx.builder(5, TTL).limit_version(1).build().unwrap();
+    let new = common::quota_with(fx.second_client().await, &fx.name, 8, TTL)
+        .limit_version(2)
+        .build()
+        .unwrap();
+    let mut leases = Vec::new();
+    for i in 0..5 {
+        leases.push(old.try_acquire(&format!("old{i}")).await.unwrap());
+    }
+    assert!(is_full(&old.try_acquire("old5").await), "5 @ v1 is stored");
+    assert_eq!(
+        old.status().await.unwrap().stored_limit,
+        Some(versioned(5, 1))
+    );
+    // The first acquire of the new version stores 8 @ v2, for everyone.
+    leases.push(new.try_acquire("new0").await.unwrap());
+    leases.push(old.try_acquire("old5").await.unwrap());
+    leases.push(new.try_acquire("new1").await.unwrap());
+    assert_eq!(old.status().await.unwrap().holders.len(), 8);
+    assert!(is_full(&old.try_acquire("old6").await));
+    assert!(is_full(&new.try_acquire("new2").await));
+    // An old worker's acquire does not take the limit back.
+    let status = old.status().await.unwrap();
+    assert_eq!(status.stored_limit, Some(versioned(8, 2)));
+    assert_eq!((status.limit, status.effective_limit()), (5, 8));
+    assert!(!status.limit_mismatch());
+    // Waiting clients of both versions, released one at a time: never above 8.
+    let waiting_old = {
+        let old = old.clone();
+        tokio::spawn(async move { old.acquire_timeout("old-w", Duration::from_secs(5)).await })
+    };
+    let waiting_new = {
+        let new = new.clone();
+        tokio::spawn(async move { new.acquire_timeout("new-w", Duration::from_secs(5)).await })
+    };
+    leases.remove(0).release().await.unwrap();
+    leases.remove(0).release().await.unwrap();
+    let (a, b) = (waiting_old.await.unwrap(), waiting_new.await.unwrap());
+    assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
+    assert_eq!(old.status().await.unwrap().holders.len(), 8);
+    assert!(is_full(&old.try_acquire("old7").await));
+}
+
+/// F29: two deploys that disagree on the limit under one version: detected, never `Full`, and
+/// the refused caller takes no slot.
+async fn the_same_version_with_another_limit_is_a_typed_error_and_takes_no_slot(fx: Fixture) {
+    let five = fx.builder(5, TTL).limit_version(4).build().unwrap();
+    let eight = common::quota_with(fx.second_client().await, &fx.name, 8, TTL)
+        .limit_version(4)
+        .build()
+        .unwrap();
+    let _a = five.try_acquire("a").await.unwrap();
+    let mismatch = |e: &Error| {
+        matches!(
+            e,
+            Error::Misconfigured(Misconfiguration::LimitMismatch {
+                configured: 8,
+                stored: 5,
+                version: 4
+            })
+        )
+    };
+    let err = eight.try_acquire("b").await.unwrap_err();
+    assert!(mismatch(&err), "{err:?}");
+    assert!(!err.is_transient());
+    // A waiting acquire fails at once with the same error rather than waiting or timing out.
+    let started = Instant::now();
+    let err = eight
+        .acquire_timeout("b", Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(mismatch(&err), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(4), "no wait");
+    let status = eight.status().await.unwrap();
+    assert!(status.limit_mismatch());
+    assert_eq!(status.stored_limit, Some(versioned(5, 4)));
+    assert_eq!(status.holders.len(), 1, "the refused caller took no slot");
+    // At capacity the answer is still the mismatch, never `Full`.
+    let mut leases = Vec::new();
+    for i in 0..4 {
+        leases.push(five.try_acquire(&format!("f{i}")).await.unwrap());
+    }
+    assert!(is_full(&five.try_acquire("f4").await));
+    let err = eight.try_acquire("b").await.unwrap_err();
+    assert!(mismatch(&err), "at capacity: {err:?}");
+    // Under the same version, the stored limit stays: the disagreeing caller did not change it.
+    assert_eq!(
+        five.status().await.unwrap().stored_limit,
+        Some(versioned(5, 4))
+    );
+    // And the raw answer says the same.
+    let raw = fx
+        .backend
+        .acquire_with_limit(&fx.keys(), "c", TTL, versioned(8, 4))
+        .await
+        .unwrap();
+    assert_eq!(
+        raw,
+        AcquireReply::LimitMismatch {
+            stored: versioned(5, 4)
+        }
+    );
+}
+
+/// A held task id takes no new slot: it is answered `held` whatever the limits say.
+async fn a_held_task_is_answered_held_despite_a_limit_mismatch(fx: Fixture) {
+    let keys = fx.keys();
+    let AcquireReply::Acquired(first) = fx
+        .backend
+        .acquire_with_limit(&keys, "a", TTL, versioned(2, 7))
+        .await
+        .unwrap()
+    else {
+        panic!("first acquire admits");
+    };
+    let again = fx
+        .backend
+        .acquire_with_limit(&keys, "a", TTL, versioned(3, 7))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&again, AcquireReply::Held(r) if r.token == first.token),
+        "{again:?}"
+    );
+    let other = fx
+        .backend
+        .acquire_with_limit(&keys, "b", TTL, versioned(3, 7))
+        .await
+        .unwrap();
+    assert!(matches!(other, AcquireReply::LimitMismatch { .. }));
+    let snapshot = fx.backend.snapshot(&keys).await.unwrap();
+    assert_eq!(snapshot.holders.len(), 1);
+    assert_eq!(snapshot.limit, Some(versioned(2, 7)));
 }

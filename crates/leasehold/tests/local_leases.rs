@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold::backend::{AcquireReply, QuotaEvent, RenewReply, Snapshot};
+use leasehold::backend::{AcquireReply, QuotaEvent, RenewReply, Snapshot, VersionedLimit};
 use leasehold::{
     Backend, BackendDownPolicy, BreakerConfig, Error, LostReason, MemoryBackend, Quota, QuotaKeys,
     Result,
@@ -37,15 +37,15 @@ impl Switchable {
 
 #[async_trait]
 impl Backend for Switchable {
-    async fn acquire(
+    async fn acquire_with_limit(
         &self,
         keys: &QuotaKeys,
         id: &str,
         ttl: Duration,
-        limit: u32,
+        limit: VersionedLimit,
     ) -> Result<AcquireReply> {
         self.up()?;
-        self.inner.acquire(keys, id, ttl, limit).await
+        self.inner.acquire_with_limit(keys, id, ttl, limit).await
     }
     async fn renew(
         &self,

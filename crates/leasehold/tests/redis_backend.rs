@@ -623,6 +623,7 @@ fn eval_acquire(
         "epoch",
         "quarantine",
         "waiting",
+        "limit",
     ]
     .iter()
     .map(|s| k(s))
@@ -635,7 +636,8 @@ fn eval_acquire(
     );
     let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
     args.extend(keys.iter().map(String::as_str));
-    args.extend([ttl.as_str(), limit.as_str(), ""]);
+    // No epoch; limit version 0.
+    args.extend([ttl.as_str(), limit.as_str(), "", "0"]);
     args.extend(ids);
     server.command(&args)
 }
@@ -1161,4 +1163,53 @@ async fn a_subscriber_is_not_cut_off_by_a_concurrent_subscribe_that_fails() {
             _ => assert!(Instant::now() < end, "no message reached the subscriber"),
         }
     }
+}
+
+/// The stored limit as PROTOCOL.md §3 describes it: a HASH with no TTL, written as sent, raised
+/// only by a higher version, and shown by a client with another limit version.
+#[tokio::test]
+async fn the_limit_key_is_a_hash_without_ttl_that_only_a_higher_version_changes() {
+    let server = RedisServer::start();
+    let key = "leasehold:{stored}:limit";
+    let field = |name: &str| server.command(&["HGET", key, name]).as_string();
+    let v1 = quota_on(&server, "stored", 5, Duration::from_secs(5)).await;
+    drop(v1.try_acquire("a").await.unwrap());
+    assert_eq!(
+        server.command(&["TYPE", key]).as_string().as_deref(),
+        Some("hash")
+    );
+    assert_eq!(server.command(&["PTTL", key]).as_int(), Some(-1), "no TTL");
+    assert_eq!(
+        (field("limit").as_deref(), field("version").as_deref()),
+        (Some("5"), Some("0"))
+    );
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let big = Quota::builder("stored")
+        .limit(7)
+        .limit_version(leasehold::MAX_LIMIT_VERSION)
+        .backend(backend)
+        .build()
+        .unwrap();
+    drop(big.try_acquire("b").await.unwrap());
+    // Exact at the largest version: decimal as sent, compared and replied without rounding.
+    let max = leasehold::MAX_LIMIT_VERSION.to_string();
+    assert_eq!(
+        (field("limit").as_deref(), field("version").as_deref()),
+        (Some("7"), Some(max.as_str()))
+    );
+    let status = v1.status().await.unwrap();
+    assert_eq!(
+        status.stored_limit,
+        Some(leasehold::VersionedLimit {
+            limit: 7,
+            version: leasehold::MAX_LIMIT_VERSION
+        })
+    );
+    assert_eq!((status.limit, status.effective_limit()), (5, 7));
+    drop(v1.try_acquire("c").await.unwrap());
+    assert_eq!(
+        field("limit").as_deref(),
+        Some("7"),
+        "a lower version wrote nothing"
+    );
 }

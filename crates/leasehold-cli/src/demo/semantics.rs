@@ -90,6 +90,23 @@ pub enum Limiter {
     Lease(Quota),
 }
 
+/// A limit version newer than any earlier experiment's: the wall clock in milliseconds (well
+/// below [`leasehold::MAX_LIMIT_VERSION`]), and above the last one of this process even if two
+/// experiments start within a millisecond.
+fn experiment_version() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let previous = LAST
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |last| {
+            Some(now.max(last + 1))
+        })
+        .unwrap_or(0);
+    now.max(previous + 1)
+}
+
 impl Limiter {
     /// The limiter of `kind` for an experiment with `params`.
     pub fn new(kind: Kind, store: &Store, counters: &Counters, params: &Params) -> Result<Self> {
@@ -106,6 +123,9 @@ impl Limiter {
                 store
                     .quota(QUOTA_NAME)
                     .limit(u64::from(params.limit))
+                    // Redis keeps the quota's limit from earlier experiments and demo runs; each
+                    // experiment's own limit must win, so it comes with a newer version.
+                    .limit_version(experiment_version())
                     .ttl(params.scaled_ttl())
                     .build()?,
             ),

@@ -10,7 +10,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use tokio::sync::broadcast;
 
-use super::{AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, RenewReply, Snapshot};
+use super::{
+    AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, RenewReply, Snapshot,
+    VersionedLimit,
+};
 use crate::error::Result;
 use crate::keys::QuotaKeys;
 
@@ -68,10 +71,28 @@ struct QuotaState {
     /// Cancel markers: task id -> (reason, expiry in backend ms).
     cancelled: HashMap<String, (String, u64)>,
     epochs: Epochs,
+    /// The stored limit, as the Redis protocol keeps it in its `limit` key.
+    limit: Option<VersionedLimit>,
     events: broadcast::Sender<QuotaEvent>,
 }
 
 impl QuotaState {
+    /// Settles the stored limit with a caller's: the first one, or a higher version, is stored.
+    /// Returns the limit to admit up to, or `Err` with the stored one when the versions are equal
+    /// and the limits are not.
+    fn settle_limit(&mut self, sent: VersionedLimit) -> Result<u32, VersionedLimit> {
+        match self.limit {
+            Some(stored) if stored.version > sent.version => Ok(stored.limit),
+            Some(stored) if stored.version == sent.version && stored.limit != sent.limit => {
+                Err(stored)
+            }
+            _ => {
+                self.limit = Some(sent);
+                Ok(sent.limit)
+            }
+        }
+    }
+
     fn cancel_reason(&mut self, task_id: &str, now: u64) -> Option<String> {
         self.cancelled.retain(|_, (_, expires)| *expires > now);
         self.cancelled
@@ -117,6 +138,7 @@ impl MemoryBackend {
             state.fence = 0;
             state.epochs.store = None;
             state.epochs.quarantine_until_ms = 0;
+            state.limit = None;
         }
     }
 
@@ -131,6 +153,7 @@ impl MemoryBackend {
             leases: HashMap::new(),
             cancelled: HashMap::new(),
             epochs: Epochs::default(),
+            limit: None,
             events: broadcast::channel(EVENT_CAPACITY).0,
         });
         let now = self.now_ms();
@@ -151,18 +174,21 @@ fn record(task_id: &str, s: Stored, now_ms: u64, epoch: String) -> LeaseRecord {
 
 #[async_trait]
 impl Backend for MemoryBackend {
-    async fn acquire(
+    async fn acquire_with_limit(
         &self,
         keys: &QuotaKeys,
         task_id: &str,
         ttl: Duration,
-        limit: u32,
+        limit: VersionedLimit,
     ) -> Result<AcquireReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
             let seen = std::mem::take(&mut q.epochs.seen);
             q.epochs.check(&seen, now, ttl_ms);
             q.epochs.seen = q.epochs.id();
+            // Settled first, as the script does once per call: whatever the answer, a higher
+            // version is stored, and cancelled or held ids are answered whatever the limits say.
+            let settled = q.settle_limit(limit);
             if let Some(reason) = q.cancel_reason(task_id, now) {
                 return AcquireReply::Cancelled { reason };
             }
@@ -171,6 +197,10 @@ impl Backend for MemoryBackend {
                 s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
                 return AcquireReply::Held(record(task_id, *s, now, q.epochs.id()));
             }
+            let limit = match settled {
+                Ok(limit) => limit,
+                Err(stored) => return AcquireReply::LimitMismatch { stored },
+            };
             if q.epochs.quarantine_until_ms > now {
                 return AcquireReply::Quarantined {
                     remaining_ms: q.epochs.quarantine_until_ms - now,
@@ -298,6 +328,7 @@ impl Backend for MemoryBackend {
             Snapshot {
                 now_ms: now,
                 holders,
+                limit: q.limit,
             }
         }))
     }

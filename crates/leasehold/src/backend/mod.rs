@@ -35,6 +35,13 @@ pub enum AcquireReply {
         /// How long the quarantine still lasts, in milliseconds.
         remaining_ms: u64,
     },
+    /// Nothing was admitted: the quota stores another limit under the same limit version as the
+    /// call's (the clients disagree on the limit). A held task id is answered
+    /// [`Held`](Self::Held) all the same: only new admissions are refused.
+    LimitMismatch {
+        /// The limit and version the quota stores.
+        stored: VersionedLimit,
+    },
     /// No slot is free.
     Full {
         /// Backend time of the attempt, in milliseconds.
@@ -62,6 +69,17 @@ pub struct LeaseRecord {
     /// renewal. Empty where the reply carries none (snapshots, leases granted without the
     /// backend).
     pub epoch: String,
+}
+
+/// A quota's limit with its version: what a client is configured with, or what the backend stores
+/// (docs/PROTOCOL.md §5.2). A call with a higher version than the stored one replaces it; a call
+/// with a lower version is admitted against the stored limit; equal versions must agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct VersionedLimit {
+    /// How many leases may be held at once.
+    pub limit: u32,
+    /// The limit's version: higher wins.
+    pub version: u64,
 }
 
 /// What a renewal found for one lease.
@@ -100,6 +118,9 @@ pub struct Snapshot {
     pub now_ms: u64,
     /// The live leases, earliest deadline first.
     pub holders: Vec<LeaseRecord>,
+    /// The limit the backend admits up to, if one is stored (none before the quota's first
+    /// acquire, or after the backend lost its data).
+    pub limit: Option<VersionedLimit>,
 }
 
 /// Something that happened to a quota, as announced on its channel. Delivery is at most once:
@@ -132,13 +153,29 @@ pub(crate) const RENEW_BATCH: usize = 5000;
 #[async_trait]
 pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Reaps expired leases, then admits `task_id` if a slot is free, or extends and returns its
-    /// lease if it already holds one.
+    /// lease if it already holds one. Like [`acquire_with_limit`](Self::acquire_with_limit) at
+    /// limit version 0.
     async fn acquire(
         &self,
         keys: &QuotaKeys,
         task_id: &str,
         ttl: Duration,
         limit: u32,
+    ) -> Result<AcquireReply> {
+        let limit = VersionedLimit { limit, version: 0 };
+        self.acquire_with_limit(keys, task_id, ttl, limit).await
+    }
+
+    /// Reaps expired leases, settles the quota's stored limit with `limit` (the higher version
+    /// wins; equal versions with other limits answer
+    /// [`LimitMismatch`](AcquireReply::LimitMismatch)), then admits `task_id` if fewer leases
+    /// than the stored limit are live, or extends and returns its lease if it already holds one.
+    async fn acquire_with_limit(
+        &self,
+        keys: &QuotaKeys,
+        task_id: &str,
+        ttl: Duration,
+        limit: VersionedLimit,
     ) -> Result<AcquireReply>;
 
     /// Extends each `(task id, fencing token)` lease that still exists with that token to

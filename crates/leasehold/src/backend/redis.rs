@@ -23,7 +23,8 @@ use self::link::{Link, Next, Ticket};
 use super::batch::Batcher;
 use super::redacted_url::redacted;
 use super::{
-    AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, RenewReply, Snapshot, RENEW_BATCH,
+    AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, RenewReply, Snapshot,
+    VersionedLimit, RENEW_BATCH,
 };
 use crate::error::{Error, Misconfiguration, Result};
 use crate::keys::QuotaKeys;
@@ -87,20 +88,21 @@ struct Inner {
     /// tell that it lost the quota's state (protocol, "Dataset loss"). Renewals send their
     /// leases' own epoch instead.
     epochs: Mutex<HashMap<String, String>>,
-    /// Admission attempts that share script calls: per quota, then per (ttl in ms, limit).
+    /// Admission attempts that share script calls: per quota, then per (ttl in ms, limit and
+    /// limit version).
     acquires: Mutex<HashMap<String, AcquireQueues>>,
     /// Releases `(task id, token or "*")` that share script calls, per quota.
     releases: Mutex<HashMap<String, Arc<Queue<ReleaseBatcher>>>>,
 }
 
-/// Admission attempts (task ids) of one quota, ttl and limit, sent together.
+/// Admission attempts (task ids) of one quota, ttl, limit and limit version, sent together.
 type AcquireBatcher = Batcher<String, AcquireReply>;
 
 /// Releases `(task id, token or "*")` of one quota, sent together.
 type ReleaseBatcher = Batcher<(String, String), bool>;
 
-/// The admission queues of one quota, by (ttl in ms, limit).
-type AcquireQueues = HashMap<(u128, u32), Arc<Queue<AcquireBatcher>>>;
+/// The admission queues of one quota, by (ttl in ms, limit and limit version).
+type AcquireQueues = HashMap<(u128, VersionedLimit), Arc<Queue<AcquireBatcher>>>;
 
 /// The calls of one kind for one quota waiting to be sent, with the quota's keys (so that a call
 /// copies no key names until its batch is built).
@@ -636,10 +638,10 @@ impl RedisBackend {
         &self,
         keys: &QuotaKeys,
         ttl: Duration,
-        limit: u32,
+        limit: VersionedLimit,
         ids: Vec<String>,
     ) -> Result<Vec<AcquireReply>> {
-        let mut script_keys = Vec::with_capacity(6 + ids.len());
+        let mut script_keys = Vec::with_capacity(7 + ids.len());
         script_keys.extend([
             keys.leases.clone(),
             keys.holders.clone(),
@@ -647,13 +649,15 @@ impl RedisBackend {
             keys.epoch.clone(),
             keys.quarantine.clone(),
             keys.waiting.clone(),
+            keys.limit.clone(),
         ]);
         script_keys.extend(ids.iter().map(|id| keys.cancel(id)));
-        let mut args = Vec::with_capacity(3 + ids.len());
+        let mut args = Vec::with_capacity(4 + ids.len());
         args.extend([
             ttl.as_millis().to_string(),
-            limit.to_string(),
+            limit.limit.to_string(),
             self.seen_epoch(&keys.name),
+            limit.version.to_string(),
         ]);
         args.extend(ids.iter().cloned());
         let reply = self
@@ -688,6 +692,14 @@ impl RedisBackend {
                 0 => Ok(AcquireReply::Full {
                     earliest_deadline_ms: int(answer.get(1))?,
                     now_ms,
+                }),
+                5 => Ok(AcquireReply::LimitMismatch {
+                    stored: VersionedLimit {
+                        limit: u32::try_from(int(answer.get(1))?).map_err(|_| {
+                            Misconfiguration::Protocol("acquire replied a limit above u32".into())
+                        })?,
+                        version: int(answer.get(2))?,
+                    },
                 }),
                 other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
             })
@@ -738,12 +750,12 @@ impl Backend for RedisBackend {
         Arc::as_ptr(&self.inner).cast::<()>() as usize
     }
 
-    async fn acquire(
+    async fn acquire_with_limit(
         &self,
         keys: &QuotaKeys,
         task_id: &str,
         ttl: Duration,
-        limit: u32,
+        limit: VersionedLimit,
     ) -> Result<AcquireReply> {
         let queue = {
             let mut acquires = self
@@ -855,12 +867,32 @@ impl Backend for RedisBackend {
             .invoke(
                 keys.name.clone(),
                 &SNAPSHOT,
-                vec![keys.leases.clone(), keys.holders.clone()],
+                vec![
+                    keys.leases.clone(),
+                    keys.holders.clone(),
+                    keys.limit.clone(),
+                ],
                 vec![],
             )
             .await?;
         let now_ms = int(reply.first())?;
-        let holders = reply[1..]
+        if reply.len() < 3 || (reply.len() - 3) % 4 != 0 {
+            return Err(Misconfiguration::Protocol(format!(
+                "snapshot replied {} values",
+                reply.len()
+            ))
+            .into());
+        }
+        let limit = match int(reply.get(1))? {
+            0 => None,
+            stored => Some(VersionedLimit {
+                limit: u32::try_from(stored).map_err(|_| {
+                    Misconfiguration::Protocol("snapshot replied a limit above u32".into())
+                })?,
+                version: int(reply.get(2))?,
+            }),
+        };
+        let holders = reply[3..]
             .chunks(4)
             .map(|c| {
                 Ok(LeaseRecord {
@@ -873,7 +905,11 @@ impl Backend for RedisBackend {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Snapshot { now_ms, holders })
+        Ok(Snapshot {
+            now_ms,
+            holders,
+            limit,
+        })
     }
 
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {

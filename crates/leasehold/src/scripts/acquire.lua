@@ -1,21 +1,24 @@
 -- leasehold protocol v1: acquire, for one or more task ids in order
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
 -- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
--- KEYS[6] waiting (STRING, with a TTL: someone was refused lately)   KEYS[6+k] the cancel marker of the k-th task id
--- ARGV[1] ttl ms   ARGV[2] limit   ARGV[3] the epoch the caller last saw, or ''
--- ARGV[3+k] the k-th task id (at least one, at most 1000)
+-- KEYS[6] waiting (STRING, with a TTL: someone was refused lately)   KEYS[7] limit (HASH limit, version)
+-- KEYS[7+k] the cancel marker of the k-th task id
+-- ARGV[1] ttl ms   ARGV[2] limit   ARGV[3] the epoch the caller last saw, or ''   ARGV[4] limit version
+-- ARGV[4+k] the k-th task id (at least one, at most 1000)
 -- Reply: {epoch, now_ms, then four values per task id, in argument order}:
 --   1, token, acquired_ms, deadline_ms   acquired (a new admission)
 --   2, token, acquired_ms, deadline_ms   held (this id already held a lease; extended)
 --   0, earliest_deadline_ms, 0, 0        full
 --   3, reason, 0, 0                      cancelled (a cancel marker exists)
 --   4, quarantine_left_ms, 0, 0          quarantined after a detected dataset loss
+--   5, stored_limit, stored_version, 0   limit mismatch (same version, another limit is stored)
 -- Task ids are served in order: one call for k ids answers exactly what k calls in a row would
 -- (a task id listed twice is answered `held` the second time).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 local limit = tonumber(ARGV[2])
+local version = tonumber(ARGV[4])
 
 -- Dataset loss: a caller that saw another epoch (or one that vanished) proves the quota's state
 -- was lost while leases may still run. Admissions pause for one ttl, once per epoch.
@@ -39,9 +42,24 @@ if #expired > 0 then
   end
 end
 
-local n = #ARGV - 3
-local ids = {unpack(ARGV, 4, 3 + n)}
-local markers = redis.call('MGET', unpack(KEYS, 7, 6 + n))
+-- The limit is the quota's, not each caller's: a higher version replaces it (a deploy takes
+-- effect at its first acquire, for everyone), a lower one is admitted against it (old workers
+-- follow), and equal versions must agree or nothing new is admitted. A lower limit evicts
+-- nobody: admissions stop until fewer than it are live.
+local stored = redis.call('HMGET', KEYS[7], 'limit', 'version')
+local stored_limit, stored_version = tonumber(stored[1]), tonumber(stored[2])
+local mismatch = false
+if not stored_limit or not stored_version or version > stored_version then
+  redis.call('HSET', KEYS[7], 'limit', ARGV[2], 'version', ARGV[4])
+elseif version == stored_version and limit ~= stored_limit then
+  mismatch = true
+else
+  limit = stored_limit
+end
+
+local n = #ARGV - 4
+local ids = {unpack(ARGV, 5, 4 + n)}
+local markers = redis.call('MGET', unpack(KEYS, 8, 7 + n))
 local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
 local metas = {}
 for k = 1, n do
@@ -87,7 +105,7 @@ for k = 1, n do
     end
     quarantine_left = quarantine_left or redis.call('PTTL', KEYS[5])
     count = count or redis.call('ZCARD', KEYS[1])
-    if quarantine_left <= 0 and count < limit then
+    if not mismatch and quarantine_left <= 0 and count < limit then
       fence = (fence or tonumber(redis.call('GET', KEYS[3]) or '0')) + 1
       local deadline = now + ttl
       admitted[#admitted + 1] = deadline
@@ -101,7 +119,10 @@ for k = 1, n do
       if not scores[k] then
         redis.call('HDEL', KEYS[2], id)
       end
-      if quarantine_left > 0 then
+      if mismatch then
+        -- Told before the quarantine: waiting it out would not help.
+        code, a, b = 5, stored_limit, stored_version
+      elseif quarantine_left > 0 then
         code, a = 4, quarantine_left
       else
         if not earliest then

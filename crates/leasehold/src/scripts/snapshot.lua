@@ -1,12 +1,18 @@
 #!lua flags=no-writes
 -- leasehold protocol v1: snapshot (read only)
--- KEYS[1] leases   KEYS[2] holders
--- Reply: {now_ms, id_1, token_1, acquired_ms_1, deadline_ms_1, id_2, ...}, live leases only,
--- earliest deadline first.
+-- KEYS[1] leases   KEYS[2] holders   KEYS[3] limit
+-- Reply: {now_ms, stored_limit, stored_version, id_1, token_1, acquired_ms_1, deadline_ms_1,
+-- id_2, ...}, live leases only, earliest deadline first; stored_limit 0 when none is stored.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local stored = redis.call('HMGET', KEYS[3], 'limit', 'version')
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES')
 local out = {now}
+if stored[1] and stored[2] then
+  out[2], out[3] = tonumber(stored[1]), tonumber(stored[2])
+else
+  out[2], out[3] = 0, 0
+end
 for i = 1, #live, 2 do
   local id = live[i]
   local meta = redis.call('HGET', KEYS[2], id)
