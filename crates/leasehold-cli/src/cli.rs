@@ -46,6 +46,9 @@ pub enum Command {
     Cancel(CancelArgs),
     /// Force-release a task's lease by id (operator use): its holder learns it has lost it.
     Release(ReleaseArgs),
+    /// Change the quota's limit for every run, without a deploy (operator use): stored in
+    /// Redis at a higher version, it applies from each run's next acquire; nobody is evicted.
+    Limit(LimitArgs),
     /// Watch a counter, a counter with a key TTL and a lease quota share one limit while tasks
     /// crash: a live page on 127.0.0.1, or a summary table with --headless.
     ///
@@ -104,6 +107,17 @@ pub struct CancelArgs {
     /// Why; the holder sees it.
     #[arg(long, default_value = "cancelled by operator")]
     pub reason: String,
+}
+
+#[derive(Debug, Args)]
+pub struct LimitArgs {
+    /// The new limit: how many tasks may run at once, fleet-wide.
+    #[arg(value_name = "N")]
+    pub limit: u64,
+    /// Its version; default: one above the stored version. A version not above the stored
+    /// one changes nothing (exit 78).
+    #[arg(long, value_name = "V")]
+    pub limit_version: Option<u64>,
 }
 
 #[derive(Debug, Args)]

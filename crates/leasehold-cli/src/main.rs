@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use leasehold::backend::LimitUpdate;
 use leasehold::{validate_task_id, Quota, RedisBackend};
 
 use cli::{Cli, Command};
@@ -77,6 +78,7 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
         Command::Status(_) => "status",
         Command::Cancel(_) => "cancel",
         Command::Release(_) => "release",
+        Command::Limit(_) => "limit",
         Command::Demo(_) => unreachable!("dispatched above"),
     };
     let name = cli.quota.clone().ok_or_else(|| {
@@ -120,6 +122,8 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
             validate_task_id(&args.task_id)?;
             base(1).ttl(Duration::from_secs(10))
         }
+        // The new limit and version are checked here like a run's.
+        Command::Limit(args) => base(args.limit).limit_version(args.limit_version.unwrap_or(0)),
         Command::Demo(_) => unreachable!("dispatched above"),
     };
     settings.check()?;
@@ -142,6 +146,35 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
             Ok(0)
         }
         Command::Demo(_) => unreachable!("dispatched above"),
+        Command::Limit(args) => {
+            let limit = quota.limit();
+            match quota.set_limit(limit, args.limit_version).await? {
+                LimitUpdate::Stored(now) => {
+                    output::tell(&format!(
+                        "limit {} (version {}) stored; runs admit against it from their next \
+                         acquire\n",
+                        now.limit, now.version
+                    ));
+                    Ok(0)
+                }
+                // The same command again: nothing to do.
+                LimitUpdate::Kept(stored) if stored.limit == limit => {
+                    output::tell(&format!(
+                        "limit {} (version {}) already stored\n",
+                        stored.limit, stored.version
+                    ));
+                    Ok(0)
+                }
+                LimitUpdate::Kept(stored) | LimitUpdate::Mismatch(stored) => Err(Failure::new(
+                    exit::CONFIG,
+                    format!(
+                        "not changed: limit {} is stored at version {}; pass a higher \
+                         --limit-version",
+                        stored.limit, stored.version
+                    ),
+                )),
+            }
+        }
         Command::Release(args) => {
             if quota.force_release(&args.task_id).await? {
                 output::tell(&format!("{}: released\n", args.task_id));

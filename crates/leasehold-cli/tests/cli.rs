@@ -630,3 +630,56 @@ fn limit_versions_decide_the_limit_and_a_mismatch_exits_78() {
     unsafe { libc::kill(holder.id() as i32, libc::SIGTERM) };
     wait_exit(&mut holder, Duration::from_secs(10));
 }
+
+#[test]
+fn limit_changes_the_stored_limit_for_every_run_and_refuses_a_version_not_above_it() {
+    let server = RedisServer::start();
+    let mut holder = leasehold(&server.url(), "ops")
+        .args(["run", "--limit", "3", "--task-id", "a", "--", "sleep", "30"])
+        .spawn()
+        .unwrap();
+    wait_held(&server, "ops", "a");
+    let set = run_cli(&server.url(), "ops", ["limit", "1"]);
+    assert_eq!(set.status.code(), Some(0), "{}", stderr(&set));
+    let said = String::from_utf8_lossy(&set.stdout);
+    assert!(said.contains("limit 1 (version 1) stored"), "{said}");
+    // Runs built with --limit 3 (version 0) now admit against 1: full, and the holder stays.
+    let full = run_cli(
+        &server.url(),
+        "ops",
+        ["run", "--limit", "3", "--wait", "0", "--", "true"],
+    );
+    assert_eq!(full.status.code(), Some(75), "{}", stderr(&full));
+    assert_eq!(holders(&server, "ops"), 1);
+    // The same command again is a no-op; a version not above the stored one changes nothing.
+    let again = run_cli(&server.url(), "ops", ["limit", "1", "--limit-version", "1"]);
+    assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+    let stale = run_cli(&server.url(), "ops", ["limit", "5", "--limit-version", "1"]);
+    assert_eq!(stale.status.code(), Some(78), "{}", stderr(&stale));
+    assert!(
+        stderr(&stale).contains("limit mismatch"),
+        "{}",
+        stderr(&stale)
+    );
+    let lower = run_cli(&server.url(), "ops", ["limit", "5", "--limit-version", "0"]);
+    assert_eq!(lower.status.code(), Some(78), "{}", stderr(&lower));
+    assert!(
+        stderr(&lower).contains("not changed: limit 1 is stored at version 1"),
+        "{}",
+        stderr(&lower)
+    );
+    let bad = run_cli(&server.url(), "ops", ["limit", "0"]);
+    assert_eq!(bad.status.code(), Some(78), "{}", stderr(&bad));
+    // Raised to 2 (version 2): one more run gets a slot.
+    let raised = run_cli(&server.url(), "ops", ["limit", "2"]);
+    assert!(String::from_utf8_lossy(&raised.stdout).contains("limit 2 (version 2) stored"));
+    let runs = run_cli(
+        &server.url(),
+        "ops",
+        ["run", "--limit", "3", "--wait", "0", "--", "true"],
+    );
+    assert_eq!(runs.status.code(), Some(0), "{}", stderr(&runs));
+    // SAFETY: kill(2) on our child's pid.
+    unsafe { libc::kill(holder.id() as i32, libc::SIGTERM) };
+    wait_exit(&mut holder, Duration::from_secs(10));
+}

@@ -9,12 +9,12 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::admissions::Admissions;
-use crate::backend::{AcquireReply, Backend, LeaseRecord, VersionedLimit};
+use crate::backend::{AcquireReply, Backend, LeaseRecord, LimitUpdate, VersionedLimit};
 use crate::breaker::{Breaker, BreakerMode, Permit};
 use crate::config::BackendDownPolicy;
 use crate::config::{QuotaBuilder, QuotaConfig};
 use crate::error::{Error, LostReason, Misconfiguration, Result};
-use crate::keys::{validate_task_id, QuotaKeys};
+use crate::keys::{validate_limit, validate_limit_version, validate_task_id, QuotaKeys};
 use crate::lease::{Lease, LeaseInner};
 use crate::waiters::WaitQueue;
 use crate::{admissions, heartbeat, runtime};
@@ -331,6 +331,53 @@ impl Quota {
     pub async fn force_release(&self, task_id: &str) -> Result<bool> {
         validate_task_id(task_id)?;
         self.shared.release_in_backend(task_id, None).await
+    }
+
+    /// The operator's change of the quota's limit, without a deploy: stores `limit` at
+    /// `version` in the backend if that version is higher than the stored one (or none is
+    /// stored). `None` takes one above the stored version (1 when none is stored), atomically.
+    /// Every client admits against the stored limit from its next acquire on, whatever limit it
+    /// was built with, as long as its own [limit version](crate::QuotaBuilder::limit_version) is
+    /// lower; nobody is evicted when it goes down. A later deploy must use a version above this
+    /// one to change the limit again.
+    ///
+    /// Returns [`LimitUpdate::Stored`] with the limit now in force, or [`LimitUpdate::Kept`]
+    /// with the higher version that stays. The same version stored with another limit fails with
+    /// [`Misconfiguration::LimitMismatch`]. This handle's own configured limit is not changed.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> leasehold::Result<()> {
+    /// use leasehold::{backend::LimitUpdate, Quota, VersionedLimit};
+    ///
+    /// let quota = Quota::builder("llm").limit(10).build()?;
+    /// let _lease = quota.try_acquire("job-1").await?; // stores 10 at version 0
+    /// // The provider lowered its cap: 3 for everyone, from their next acquire on.
+    /// let update = quota.set_limit(3, None).await?;
+    /// assert_eq!(update, LimitUpdate::Stored(VersionedLimit { limit: 3, version: 1 }));
+    /// assert_eq!(quota.status().await?.effective_limit(), 3);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn set_limit(&self, limit: u32, version: Option<u64>) -> Result<LimitUpdate> {
+        validate_limit(u64::from(limit))?;
+        if let Some(version) = version {
+            validate_limit_version(version)?;
+        }
+        let update = self
+            .shared
+            .backend
+            .set_limit(&self.shared.keys, limit, version)
+            .await?;
+        match update {
+            LimitUpdate::Mismatch(stored) => Err(Misconfiguration::LimitMismatch {
+                configured: limit,
+                stored: stored.limit,
+                version: stored.version,
+            }
+            .into()),
+            done => Ok(done),
+        }
     }
 
     /// Cancels `task_id`, wherever it runs: writes the cancel marker (the truth, kept for the

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::Fixture;
-use leasehold::backend::{AcquireReply, RenewOutcome};
+use leasehold::backend::{AcquireReply, LimitUpdate, RenewOutcome};
 use leasehold::{Error, LostReason, Misconfiguration, VersionedLimit};
 
 const TTL: Duration = Duration::from_millis(600);
@@ -44,6 +44,7 @@ conformance!(
     a_task_acquired_again_right_after_its_drop_holds_a_live_lease,
     acquires_made_together_with_free_slots_go_at_once,
     lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it,
+    the_operator_sets_the_limit_for_every_client_without_a_deploy,
     a_higher_limit_version_applies_to_every_client,
     the_same_version_with_another_limit_is_a_typed_error_and_takes_no_slot,
     a_held_task_is_answered_held_despite_a_limit_mismatch,
@@ -828,6 +829,61 @@ fn is_full(result: &leasehold::Result<leasehold::Lease>) -> bool {
 }
 
 /// F29: 10 holders, the limit lowered to 3 (a higher version), then raised back to 10.
+async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixture) {
+    let workers = fx.quota(5, TTL);
+    let mut holders = Vec::new();
+    for i in 0..4 {
+        holders.push(workers.try_acquire(&format!("h{i}")).await.unwrap());
+    }
+    let operator = common::quota_with(fx.second_client().await, &fx.name, 1, TTL)
+        .build()
+        .unwrap();
+    // The next version, chosen by the backend: 1 above the workers' 0.
+    assert_eq!(
+        operator.set_limit(2, None).await.unwrap(),
+        LimitUpdate::Stored(versioned(2, 1))
+    );
+    assert!(
+        is_full(&workers.try_acquire("new").await),
+        "workers built with limit 5 admit against the stored 2"
+    );
+    assert_eq!(
+        workers.status().await.unwrap().holders.len(),
+        4,
+        "nobody evicted"
+    );
+    assert!(holders.iter().all(|l| l.is_held()));
+    // The same version with another limit is refused; a lower one leaves it as it is.
+    let err = operator.set_limit(3, Some(1)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Misconfigured(Misconfiguration::LimitMismatch {
+                configured: 3,
+                stored: 2,
+                version: 1
+            })
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        operator.set_limit(9, Some(0)).await.unwrap(),
+        LimitUpdate::Kept(versioned(2, 1))
+    );
+    assert!(matches!(
+        operator.set_limit(0, None).await,
+        Err(Error::Misconfigured(Misconfiguration::InvalidLimit(_)))
+    ));
+    // Down to one holder: one more admission, then full at 2.
+    for lease in holders.drain(1..) {
+        lease.release().await.unwrap();
+    }
+    let _admitted = workers.try_acquire("new").await.unwrap();
+    assert!(is_full(&workers.try_acquire("another").await));
+    let status = workers.status().await.unwrap();
+    assert_eq!((status.effective_limit(), status.holders.len()), (2, 2));
+}
+
 async fn lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it(fx: Fixture) {
     let ten = fx.builder(10, TTL).limit_version(1).build().unwrap();
     let mut holders = Vec::new();

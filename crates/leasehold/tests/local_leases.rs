@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use leasehold::backend::{AcquireReply, QuotaEvent, RenewReply, Snapshot, VersionedLimit};
+use leasehold::backend::{
+    AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
+};
 use leasehold::{
     Backend, BackendDownPolicy, BreakerConfig, Error, LostReason, MemoryBackend, Quota, QuotaKeys,
     Result,
@@ -56,6 +58,15 @@ impl Backend for Switchable {
     ) -> Result<RenewReply> {
         self.up()?;
         self.inner.renew(keys, ttl, epoch, leases).await
+    }
+    async fn set_limit(
+        &self,
+        keys: &QuotaKeys,
+        limit: u32,
+        version: Option<u64>,
+    ) -> Result<LimitUpdate> {
+        self.up()?;
+        self.inner.set_limit(keys, limit, version).await
     }
     async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
         self.up()?;

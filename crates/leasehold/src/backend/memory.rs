@@ -11,8 +11,8 @@ use async_trait::async_trait;
 use tokio::sync::broadcast;
 
 use super::{
-    AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, RenewReply, Snapshot,
-    VersionedLimit,
+    AcquireReply, Backend, LeaseRecord, LimitUpdate, QuotaEvent, RenewOutcome, RenewReply,
+    Snapshot, VersionedLimit,
 };
 use crate::error::Result;
 use crate::keys::QuotaKeys;
@@ -272,6 +272,29 @@ impl Backend for MemoryBackend {
             RenewReply {
                 epoch: q.epochs.id(),
                 outcomes,
+            }
+        }))
+    }
+
+    async fn set_limit(
+        &self,
+        keys: &QuotaKeys,
+        limit: u32,
+        version: Option<u64>,
+    ) -> Result<LimitUpdate> {
+        Ok(self.with_quota(&keys.name, |q, _now| {
+            let version = version.unwrap_or_else(|| q.limit.map_or(1, |l| l.version + 1));
+            let sent = VersionedLimit { limit, version };
+            match q.limit {
+                Some(stored) if stored.version > version => LimitUpdate::Kept(stored),
+                Some(stored) if stored.version == version && stored.limit != limit => {
+                    LimitUpdate::Mismatch(stored)
+                }
+                Some(stored) if stored == sent => LimitUpdate::Kept(stored),
+                _ => {
+                    q.limit = Some(sent);
+                    LimitUpdate::Stored(sent)
+                }
             }
         }))
     }

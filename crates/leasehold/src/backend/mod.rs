@@ -82,6 +82,17 @@ pub struct VersionedLimit {
     pub version: u64,
 }
 
+/// What an operator's [`Backend::set_limit`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitUpdate {
+    /// The limit and version given replaced the stored ones (or none was stored).
+    Stored(VersionedLimit),
+    /// A higher version is stored and stays: the limit in force.
+    Kept(VersionedLimit),
+    /// The same version is stored with another limit: nothing changed.
+    Mismatch(VersionedLimit),
+}
+
 /// What a renewal found for one lease.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RenewOutcome {
@@ -192,6 +203,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         epoch: &str,
         leases: &[(String, u64)],
     ) -> Result<RenewReply>;
+
+    /// The operator's change of the quota's stored limit: stores `limit` at `version` if that is
+    /// higher than the stored version (or none is stored). `None` means one above the stored
+    /// version (1 when none is stored), chosen atomically. Admissions use the new limit from the
+    /// next acquire on; nobody is evicted.
+    async fn set_limit(
+        &self,
+        keys: &QuotaKeys,
+        limit: u32,
+        version: Option<u64>,
+    ) -> Result<LimitUpdate>;
 
     /// Removes the lease of `task_id` if its token is `token` (any token when `None`: the
     /// operator's forced release). Returns whether a lease was removed. A removal may be

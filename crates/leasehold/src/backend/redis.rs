@@ -23,8 +23,8 @@ use self::link::{Link, Next, Ticket};
 use super::batch::Batcher;
 use super::redacted_url::redacted;
 use super::{
-    AcquireReply, Backend, LeaseRecord, QuotaEvent, RenewOutcome, RenewReply, Snapshot,
-    VersionedLimit, RENEW_BATCH,
+    AcquireReply, Backend, LeaseRecord, LimitUpdate, QuotaEvent, RenewOutcome, RenewReply,
+    Snapshot, VersionedLimit, RENEW_BATCH,
 };
 use crate::error::{Error, Misconfiguration, Result};
 use crate::keys::QuotaKeys;
@@ -40,6 +40,8 @@ static CANCEL: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/cancel.lua")));
 static SNAPSHOT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/snapshot.lua")));
+static SET_LIMIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/set_limit.lua")));
 
 /// Capacity of each quota's event channel; a slow receiver loses old events (at most once).
 const EVENT_CAPACITY: usize = 1024;
@@ -806,6 +808,37 @@ impl Backend for RedisBackend {
             renewed.outcomes.extend(reply.outcomes);
         }
         Ok(renewed)
+    }
+
+    async fn set_limit(
+        &self,
+        keys: &QuotaKeys,
+        limit: u32,
+        version: Option<u64>,
+    ) -> Result<LimitUpdate> {
+        let version = version.map(|v| v.to_string()).unwrap_or_default();
+        let reply = self
+            .invoke(
+                keys.name.clone(),
+                &SET_LIMIT,
+                vec![keys.limit.clone()],
+                vec![limit.to_string(), version],
+            )
+            .await?;
+        let limit = VersionedLimit {
+            limit: u32::try_from(int(reply.get(1))?).map_err(|_| {
+                Misconfiguration::Protocol(format!(
+                    "set_limit replied a limit out of range: {reply:?}"
+                ))
+            })?,
+            version: int(reply.get(2))?,
+        };
+        match int(reply.first())? {
+            1 => Ok(LimitUpdate::Stored(limit)),
+            0 => Ok(LimitUpdate::Kept(limit)),
+            5 => Ok(LimitUpdate::Mismatch(limit)),
+            other => Err(Misconfiguration::Protocol(format!("set_limit replied {other}")).into()),
+        }
     }
 
     async fn release(&self, keys: &QuotaKeys, task_id: &str, token: Option<u64>) -> Result<bool> {

@@ -1,0 +1,25 @@
+-- leasehold protocol v1: set_limit, the operator's change of a quota's stored limit
+-- KEYS[1] limit (HASH limit, version)
+-- ARGV[1] limit   ARGV[2] version, or '' for one above the stored version (1 when none is stored)
+-- Reply: {code, limit, version}: the limit in force after the call
+--   1  stored: the call's limit and version replaced the stored ones (or none was stored)
+--   0  kept: a higher version is stored, and stays
+--   5  mismatch: the same version is stored with another limit (as acquire's code 5)
+-- Versions are compared as numbers; clients keep them at most 2^53 - 1, where doubles are exact.
+local stored = redis.call('HMGET', KEYS[1], 'limit', 'version')
+local stored_limit, stored_version = tonumber(stored[1]), tonumber(stored[2])
+local limit = tonumber(ARGV[1])
+local version
+if ARGV[2] == '' then
+  version = (stored_version or 0) + 1
+else
+  version = tonumber(ARGV[2])
+end
+if not stored_limit or not stored_version or version > stored_version then
+  redis.call('HSET', KEYS[1], 'limit', ARGV[1], 'version', string.format('%.0f', version))
+  return {1, limit, version}
+end
+if version == stored_version and limit ~= stored_limit then
+  return {5, stored_limit, stored_version}
+end
+return {0, stored_limit, stored_version}
