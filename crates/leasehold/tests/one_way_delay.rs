@@ -36,14 +36,12 @@ struct ZcardWatch {
 
 impl ZcardWatch {
     fn start(server: &Arc<RedisServer>) -> ZcardWatch {
-        let (stop, max, samples) = Default::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let max = Arc::new(AtomicU64::new(0));
+        let samples = Arc::new(AtomicU64::new(0));
         let thread = {
-            let (server, stop, max, samples): (_, Arc<AtomicBool>, Arc<AtomicU64>, Arc<AtomicU64>) = (
-                server.clone(),
-                Arc::clone(&stop),
-                Arc::clone(&max),
-                Arc::clone(&samples),
-            );
+            let (server, stop, max, samples) =
+                (server.clone(), stop.clone(), max.clone(), samples.clone());
             thread::spawn(move || {
                 let end = Instant::now() + Duration::from_secs(60);
                 while !stop.load(Ordering::Relaxed) && Instant::now() < end {
