@@ -13,6 +13,8 @@
 //! let proxy = FaultProxy::start(server.port());
 //! // Point the client under test at redis://127.0.0.1:{proxy.port()}/, then:
 //! proxy.set_latency(Duration::from_millis(100)); // each direction: +200 ms per round trip
+//! proxy.set_latency_to_server(Duration::from_secs(1)); // requests late, replies on time
+//! proxy.set_latency(Duration::ZERO);
 //! proxy.partition(true);                          // this client is cut off from Redis
 //! proxy.partition(false);
 //! proxy.wedge_connections();                       // today's connections go silent for good
@@ -59,7 +61,8 @@ struct Shared {
 /// The switches, read by the forwarding threads on every step.
 #[derive(Debug, Default)]
 pub(crate) struct Faults {
-    latency_us: AtomicU64,
+    latency_to_server_us: AtomicU64,
+    latency_to_client_us: AtomicU64,
     stalled: AtomicBool,
     partitioned: AtomicBool,
     drop_pushes: AtomicBool,
@@ -67,8 +70,12 @@ pub(crate) struct Faults {
 }
 
 impl Faults {
-    pub(crate) fn latency(&self) -> Duration {
-        Duration::from_micros(self.latency_us.load(Ordering::Relaxed))
+    pub(crate) fn latency(&self, direction: Direction) -> Duration {
+        let us = match direction {
+            Direction::ToServer => &self.latency_to_server_us,
+            Direction::ToClient => &self.latency_to_client_us,
+        };
+        Duration::from_micros(us.load(Ordering::Relaxed))
     }
     pub(crate) fn stalled(&self) -> bool {
         self.stalled.load(Ordering::Relaxed)
@@ -101,6 +108,11 @@ impl Connection {
             let _ = upstream.shutdown(Shutdown::Both);
         }
     }
+}
+
+fn store_us(slot: &AtomicU64, latency: Duration) {
+    let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+    slot.store(us, Ordering::Relaxed);
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -154,8 +166,31 @@ impl FaultProxy {
     /// gets twice this. Chunks keep their order. `Duration::ZERO` turns it off; chunks already
     /// queued keep the delay they were given.
     pub fn set_latency(&self, latency: Duration) {
-        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
-        self.shared.faults.latency_us.store(us, Ordering::Relaxed);
+        self.set_latency_each_way(latency, latency);
+    }
+
+    /// Delays every chunk the client sends (requests) by `to_server` and every chunk the server
+    /// sends (replies and pushes) by `to_client`: a one-way delay, such as a congested uplink,
+    /// that a symmetric [`set_latency`](Self::set_latency) cannot model. Chunks keep their order
+    /// within each direction, and a chunk keeps the delay it was given when it was read, so
+    /// lowering a delay never lets a later chunk overtake an earlier one. `Duration::ZERO` turns
+    /// a direction's delay off.
+    pub fn set_latency_each_way(&self, to_server: Duration, to_client: Duration) {
+        self.set_latency_to_server(to_server);
+        self.set_latency_to_client(to_client);
+    }
+
+    /// Delays every chunk from the client to the server (requests) by `latency`, leaving the
+    /// other direction as it is; see [`set_latency_each_way`](Self::set_latency_each_way).
+    pub fn set_latency_to_server(&self, latency: Duration) {
+        store_us(&self.shared.faults.latency_to_server_us, latency);
+    }
+
+    /// Delays every chunk from the server to the client (replies and pushes) by `latency`,
+    /// leaving the other direction as it is; see
+    /// [`set_latency_each_way`](Self::set_latency_each_way).
+    pub fn set_latency_to_client(&self, latency: Duration) {
+        store_us(&self.shared.faults.latency_to_client_us, latency);
     }
 
     /// Stops forwarding in both directions while keeping every socket open (a half-open link,

@@ -141,6 +141,57 @@ fn latency_is_added_in_each_direction() {
 }
 
 #[test]
+fn latency_can_be_set_for_each_direction_alone() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    // A second, plain connection straight to the server shows when the delayed request lands.
+    let mut direct = Client::connect(server.port());
+    let mut client = Client::connect(proxy.port());
+    client.ping(Duration::from_secs(2));
+
+    // Requests late, replies on time: the write lands at the server only after the delay. One
+    // second leaves a loaded machine room: the direct EXISTS must come back inside it, and one
+    // delayed direction must stay clear of two (2 s).
+    let delay = Duration::from_secs(1);
+    proxy.set_latency_to_server(delay);
+    let sent = Instant::now();
+    client.send(&[b"SET", b"oneway", b"1"]);
+    direct.send(&[b"EXISTS", b"oneway"]);
+    let (early, _) = direct.read_until(b"\r\n", Duration::from_secs(2));
+    assert_eq!(
+        early, b":0\r\n",
+        "the delayed request reached the server early"
+    );
+    let (got, closed) = client.read_until(b"+OK\r\n", Duration::from_secs(5));
+    let up = sent.elapsed();
+    assert!(got.ends_with(b"+OK\r\n"), "closed: {closed}, got {got:?}");
+    direct.send(&[b"EXISTS", b"oneway"]);
+    let (late, _) = direct.read_until(b"\r\n", Duration::from_secs(2));
+    assert_eq!(late, b":1\r\n");
+
+    // Lowering the delay lets no later request overtake one still held.
+    client.send(&[b"SET", b"order", b"first"]);
+    proxy.set_latency_to_server(Duration::ZERO);
+    client.send(&[b"SET", b"order", b"second"]);
+    client.read_until(b"+OK\r\n+OK\r\n", Duration::from_secs(5));
+    direct.send(&[b"GET", b"order"]);
+    let (order, _) = direct.read_until(b"second\r\n", Duration::from_secs(2));
+    assert_eq!(order, b"$6\r\nsecond\r\n");
+
+    // Replies late, requests on time.
+    proxy.set_latency_to_client(delay);
+    let down = client.ping(Duration::from_secs(5));
+    proxy.set_latency_each_way(Duration::ZERO, Duration::ZERO);
+    let fast = client.ping(Duration::from_secs(2));
+    println!("round trips: {up:?} requests delayed, {down:?} replies delayed, {fast:?} after");
+    for one_way in [up, down] {
+        assert!(one_way >= delay, "{one_way:?}");
+        assert!(one_way < 2 * delay, "one direction only: {one_way:?}");
+    }
+    assert!(fast < Duration::from_millis(300), "{fast:?}");
+}
+
+#[test]
 fn stall_holds_the_bytes_then_delivers_them() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());

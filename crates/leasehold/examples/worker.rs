@@ -11,6 +11,14 @@
 //! worker hold URL QUOTA LIMIT TTL_MS TASK_ID HOLD_MS
 //!     acquire (waiting), print "acquired TOKEN", hold HOLD_MS while renewing, print "held" if
 //!     the lease was never lost (else "lost REASON"), release.
+//! worker work URL QUOTA LIMIT TTL_MS TASK_ID MARKER_TTL_MS EVENTS RUN_MS
+//!     the quota's cancel markers live MARKER_TTL_MS; EVENTS is "events" to subscribe to the
+//!     quota's events, anything else not to (a holder then learns of a cancel only from a
+//!     renewal). Acquire (waiting), print "acquired TOKEN", then work for RUN_MS in 20 ms
+//!     steps: a step starts only while the lease is held and counts only if the lease is still
+//!     held when it ends; prints "step START_NS END_NS committed" (or "discarded", and stops),
+//!     in CLOCK_MONOTONIC nanoseconds. Then "lost REASON" (the `LostReason` in `Debug` form) or
+//!     "completed", then "done", and releases.
 //! worker clock URL QUOTA LIMIT TTL_MS
 //!     prints "clock MS": this process's wall clock, in ms since the Unix epoch (a test checks
 //!     that a clock it skewed really is skewed).
@@ -37,11 +45,16 @@ async fn main() -> Result<(), Error> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = arg(&args, 0).to_owned();
     let backend = RedisBackend::connect(arg(&args, 1)).await?;
-    let quota = Quota::builder(arg(&args, 2))
+    let mut builder = Quota::builder(arg(&args, 2))
         .limit(num(&args, 3))
         .ttl(Duration::from_millis(num(&args, 4)))
-        .backend(backend)
-        .build()?;
+        .backend(backend);
+    if mode == "work" {
+        builder = builder
+            .cancel_marker_ttl(Duration::from_millis(num(&args, 6)))
+            .events(arg(&args, 7) == "events");
+    }
+    let quota = builder.build()?;
     match mode.as_str() {
         "hammer" => {
             let run = Duration::from_millis(num(&args, 5));
@@ -75,6 +88,39 @@ async fn main() -> Result<(), Error> {
                 _ = tokio::time::sleep(Duration::from_millis(num(&args, 6))) => println!("held"),
                 reason = lease.lost() => println!("lost {reason}"),
             }
+            lease.release().await?;
+        }
+        "work" => {
+            let lease = quota.acquire(arg(&args, 5)).await?;
+            println!("acquired {}", lease.fencing_token());
+            let end = tokio::time::Instant::now() + Duration::from_millis(num(&args, 8));
+            let mut stopped = false;
+            while tokio::time::Instant::now() < end && lease.ensure_held().is_ok() {
+                let start = monotonic_ns();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let stop = monotonic_ns();
+                // The commit point: a step that outlived the lease (the process was paused
+                // across its deadline, say) is thrown away, not counted.
+                if lease.ensure_held().is_ok() {
+                    println!("step {start} {stop} committed");
+                } else {
+                    println!("step {start} {stop} discarded");
+                    stopped = true;
+                    break;
+                }
+            }
+            stopped |= lease.ensure_held().is_err();
+            if stopped {
+                // ensure_held fails at the local deadline; the reason follows when the renewal
+                // task (or an event) records it.
+                match tokio::time::timeout(Duration::from_secs(10), lease.lost()).await {
+                    Ok(reason) => println!("lost {reason:?}"),
+                    Err(_) => println!("lost unreported"),
+                }
+            } else {
+                println!("completed");
+            }
+            println!("done");
             lease.release().await?;
         }
         "clock" => {

@@ -1,5 +1,6 @@
 //! Separate OS processes against one private redis-server: the fleet-wide limit holds, a killed
-//! holder's slot comes back one ttl later, and client clocks play no part.
+//! holder's slot comes back one ttl later, client clocks play no part, and a holder paused past
+//! its cancel marker's ttl does no work once resumed.
 //!
 //! The worker is `examples/worker.rs`, which `cargo test` builds beside the test binaries.
 
@@ -282,4 +283,195 @@ fn client_clocks_an_hour_off_change_nothing() {
     println!("fast-clock holder's deadline is {ahead_ms} ms ahead of server time (ttl 1500)");
     assert!((0..=1500).contains(&ahead_ms), "{ahead_ms}");
     assert_eq!(fast.wait(Duration::from_secs(15)), vec!["held".to_string()]);
+}
+
+/// Sends `signal` to `pid` and waits (at most 5 s) until /proc shows it stopped or not.
+fn signal_and_settle(pid: u32, signal: libc::c_int, stopped: bool) {
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+    let end = Instant::now() + Duration::from_secs(5);
+    while is_stopped(pid) != stopped {
+        assert!(Instant::now() < end, "pid {pid} did not settle");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn is_stopped(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name, which is in parentheses.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next())
+        == Some('T')
+}
+
+/// One `work` step as the worker reported it.
+struct Step {
+    start: u128,
+    end: u128,
+    committed: bool,
+}
+
+/// F20: a holder SIGSTOPped, its task cancelled, and kept stopped past both the lease ttl and
+/// the cancel marker's ttl, so that on resume neither the lease nor the marker exists. It must
+/// stop at once anyway (its local deadline passed: the F3 path), commit no work after SIGCONT,
+/// and its slot must have been free for someone else while it was stopped. `events` says
+/// whether the holder listens to the quota's events: with them the cancel message waits in its
+/// socket while it is stopped; without them the marker, gone by then, was its only way to hear.
+fn holder_paused_past_the_marker_ttl(events: bool) {
+    let server = RedisServer::start();
+    let (ttl_ms, marker_ttl_ms) = (1000u64, 2000u64);
+    let quota_name = if events { "f20-events" } else { "f20-quiet" };
+    let leases_key = format!("leasehold:{{{quota_name}}}:leases");
+    let marker_key = format!("leasehold:{{{quota_name}}}:cancel:victim");
+    let mut holder = Worker::spawn(
+        &[],
+        &args(&[
+            &"work",
+            &server.url(),
+            &quota_name,
+            &1,
+            &ttl_ms,
+            &"victim",
+            &marker_ttl_ms,
+            &if events { "events" } else { "no-events" },
+            &60_000,
+        ]),
+    );
+    assert!(holder
+        .next_line(Duration::from_secs(10))
+        .starts_with("acquired"));
+    let mut lines = Vec::new();
+    // Working for a while (about half a ttl) before the pause.
+    while lines.len() < 25 {
+        lines.push(holder.next_line(Duration::from_secs(10)));
+    }
+    let pid = holder.child.id();
+    signal_and_settle(pid, libc::SIGSTOP, true);
+    let stopped_ns = leasehold_testkit::monotonic_ns();
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let quota = rt.block_on(async {
+        let backend = leasehold::RedisBackend::connect(&server.url())
+            .await
+            .unwrap();
+        leasehold::Quota::builder(quota_name)
+            .limit(1)
+            .ttl(Duration::from_millis(ttl_ms))
+            .cancel_marker_ttl(Duration::from_millis(marker_ttl_ms))
+            .backend(backend)
+            .build()
+            .unwrap()
+    });
+    let held = rt.block_on(quota.cancel("victim", "f20")).unwrap();
+    assert!(
+        held,
+        "the stopped holder's lease was still there when cancelled"
+    );
+    assert_eq!(server.command(&["EXISTS", &marker_key]).as_int(), Some(1));
+
+    // The slot comes back once the stopped holder's lease expires.
+    let end = Instant::now() + Duration::from_secs(15);
+    let other = rt.block_on(async {
+        loop {
+            match quota.try_acquire("other").await {
+                Ok(lease) => break lease,
+                Err(leasehold::Error::Full { .. }) if Instant::now() < end => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                Err(e) => panic!("the slot of the stopped holder never came back: {e:?}"),
+            }
+        }
+    });
+    let reclaimed_ms = (leasehold_testkit::monotonic_ns() - stopped_ns) / 1_000_000;
+    assert!(is_stopped(pid), "reclaimed while the holder was stopped");
+
+    // Past the marker ttl too: nothing in Redis tells the holder about the cancel any more.
+    let end = Instant::now() + Duration::from_secs(15);
+    while server.command(&["EXISTS", &marker_key]).as_int() != Some(0) {
+        assert!(Instant::now() < end, "the cancel marker never expired");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(is_stopped(pid));
+    let resumed_ns = leasehold_testkit::monotonic_ns();
+    signal_and_settle(pid, libc::SIGCONT, false);
+
+    loop {
+        let line = holder.next_line(Duration::from_secs(10));
+        let done = line == "done";
+        lines.push(line);
+        if done {
+            break;
+        }
+    }
+    let end = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = holder.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < end, "the holder did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "holder failed: {status}");
+    let after_resume_ms = (leasehold_testkit::monotonic_ns() - resumed_ns) / 1_000_000;
+
+    let steps: Vec<Step> = lines
+        .iter()
+        .filter_map(|line| {
+            let mut parts = line.strip_prefix("step ")?.split_whitespace();
+            Some(Step {
+                start: parts.next()?.parse().ok()?,
+                end: parts.next()?.parse().ok()?,
+                committed: parts.next()? == "committed",
+            })
+        })
+        .collect();
+    let lost = lines
+        .iter()
+        .find_map(|line| line.strip_prefix("lost "))
+        .unwrap_or_else(|| panic!("the holder reported no loss: {lines:?}"));
+    let discarded = steps.iter().filter(|s| !s.committed).count();
+    println!(
+        "events {events}: slot reclaimed {reclaimed_ms} ms after SIGSTOP; after SIGCONT the \
+         holder reported lost {lost} and exited within {after_resume_ms} ms; {} steps \
+         committed, {discarded} discarded",
+        steps.len() - discarded
+    );
+    assert!(!lines.iter().any(|line| line == "completed"));
+    let expected = lost == "LocalDeadline"
+        || lost == "Expired"
+        || (events && lost.starts_with("Cancelled(\"f20\")"));
+    assert!(expected, "lost {lost}");
+    assert!(
+        steps.iter().any(|s| s.committed),
+        "it worked before the pause"
+    );
+    for step in &steps {
+        assert!(
+            step.start < stopped_ns,
+            "a step started after the pause: {}",
+            step.start
+        );
+        assert!(
+            !(step.committed && step.end >= resumed_ns),
+            "a step was committed after SIGCONT"
+        );
+    }
+    assert!(discarded <= 1, "only the step the pause interrupted");
+    // The resumed holder put nothing back: the slot is the other task's alone.
+    assert_eq!(
+        server.command(&["ZRANGE", &leases_key, "0", "-1"]),
+        leasehold_testkit::Reply::Array(vec![leasehold_testkit::Reply::Bulk(b"other".to_vec())])
+    );
+    rt.block_on(other.release()).unwrap();
+}
+
+#[test]
+fn a_holder_paused_past_the_marker_ttl_stops_on_resume() {
+    holder_paused_past_the_marker_ttl(true);
+}
+
+#[test]
+fn a_holder_paused_past_the_marker_ttl_without_events_stops_on_resume() {
+    holder_paused_past_the_marker_ttl(false);
 }

@@ -91,7 +91,7 @@ pub(crate) fn forward(
                 };
                 if !data.is_empty() {
                     held += data.len();
-                    queue.push_back((Instant::now() + faults.latency(), data));
+                    queue.push_back((Instant::now() + faults.latency(direction), data));
                 }
             }
             Err(e) if is_timeout(&e) => {}

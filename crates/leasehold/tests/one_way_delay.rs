@@ -1,0 +1,227 @@
+//! One-way delay (field notes F4): a healthy holder whose requests reach Redis 1.5 × ttl late
+//! while replies travel normally. It must give its lease up at its own local deadline, counted
+//! from when its last acknowledged renewal was *sent*, before the server reaps the lease and
+//! admits someone else; and the renewals that arrive after that must not bring it back.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use leasehold::{Backend, Error, LostReason, Quota, QuotaKeys, RedisBackend, RedisOptions};
+use leasehold_testkit::proxy::FaultProxy;
+use leasehold_testkit::{RedisServer, Reply};
+
+const QUOTA: &str = "oneway";
+const LEASES_KEY: &str = "leasehold:{oneway}:leases";
+const TTL: Duration = Duration::from_millis(1000);
+const SUCCESSOR_TTL: Duration = Duration::from_secs(20);
+/// Five times the default (ttl / 20): the test compares instants taken by different tasks on a
+/// loaded 2-core machine, and the margin is the gap between the holder's deadline and the
+/// server's, so it is the room those instants get.
+const MARGIN: Duration = Duration::from_millis(250);
+/// Far above the delayed round trip (1.5 s): no call is cut by the backend's own timeout, so the
+/// connection is never judged wedged and replaced, and the late renewals reach the server on
+/// the connection they were sent on. Each renewal is still bounded by its lease's local
+/// deadline (ttl − margin from its send), which is what fences the holder.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `ZCARD` of the leases key, sampled until stopped (at most 60 s), keeping the largest.
+struct ZcardWatch {
+    stop: Arc<AtomicBool>,
+    max: Arc<AtomicU64>,
+    samples: Arc<AtomicU64>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl ZcardWatch {
+    fn start(server: &Arc<RedisServer>) -> ZcardWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let max = Arc::new(AtomicU64::new(0));
+        let samples = Arc::new(AtomicU64::new(0));
+        let thread = {
+            let (server, stop, max, samples) =
+                (server.clone(), stop.clone(), max.clone(), samples.clone());
+            thread::spawn(move || {
+                let end = Instant::now() + Duration::from_secs(60);
+                while !stop.load(Ordering::Relaxed) && Instant::now() < end {
+                    let n = server.command(&["ZCARD", LEASES_KEY]).as_int().unwrap();
+                    max.fetch_max(n as u64, Ordering::Relaxed);
+                    samples.fetch_add(1, Ordering::Relaxed);
+                    thread::sleep(Duration::from_millis(5));
+                }
+            })
+        };
+        ZcardWatch {
+            stop,
+            max,
+            samples,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops sampling; returns the largest count seen and how many samples were taken.
+    fn finish(mut self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            thread.join().expect("the ZCARD watcher panicked");
+        }
+        (
+            self.max.load(Ordering::Relaxed),
+            self.samples.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Calls to `EVALSHA` the server executed so far (every leasehold script runs through it).
+fn evalsha_calls(server: &RedisServer) -> u64 {
+    let info = match server.command(&["INFO", "commandstats"]) {
+        Reply::Bulk(bytes) => String::from_utf8(bytes).unwrap(),
+        other => panic!("INFO replied {other:?}"),
+    };
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
+fn members(server: &RedisServer) -> Vec<String> {
+    match server.command(&["ZRANGE", LEASES_KEY, "0", "-1"]) {
+        Reply::Array(items) => items.iter().map(|item| item.as_string().unwrap()).collect(),
+        other => panic!("ZRANGE replied {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_requests_arrive_late_fences_itself_before_the_server_reaps_it() {
+    let server = Arc::new(RedisServer::start());
+    let proxy = FaultProxy::start(server.port());
+    let holder_backend = RedisBackend::connect_with(
+        &proxy.url(),
+        RedisOptions {
+            call_timeout: CALL_TIMEOUT,
+            connect_timeout: CALL_TIMEOUT,
+            ..RedisOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let holder_quota = Quota::builder(QUOTA)
+        .limit(1)
+        .ttl(TTL)
+        .safety_margin(MARGIN)
+        .backend(holder_backend.clone())
+        .build()
+        .unwrap();
+    // The successor talks to the server directly: its view is the server's. Its own lease is
+    // long and renewed rarely, so that no renewal of its own runs while the test counts the
+    // holder's late ones.
+    let direct = RedisBackend::connect(&server.url()).await.unwrap();
+    let successor_quota = Quota::builder(QUOTA)
+        .limit(1)
+        .ttl(SUCCESSOR_TTL)
+        .heartbeat(SUCCESSOR_TTL * 9 / 10)
+        .backend(direct.clone())
+        .build()
+        .unwrap();
+
+    let watch = ZcardWatch::start(&server);
+    let holder = holder_quota.try_acquire("holder").await.unwrap();
+    let token = holder.fencing_token();
+    // Loads the snapshot script now, so that the barrier below is one call.
+    holder_quota.status().await.unwrap();
+    let lost = {
+        let holder = holder.clone();
+        tokio::spawn(async move {
+            let reason = holder.lost().await;
+            (reason, Instant::now())
+        })
+    };
+    // At least one renewal goes through before the fault.
+    tokio::time::sleep(TTL / 2 + TTL / 10).await;
+    assert!(holder.is_held());
+    let deadline_before = holder.local_deadline();
+
+    let delay = TTL * 3 / 2;
+    let delayed_at = Instant::now();
+    proxy.set_latency_to_server(delay);
+
+    // The server's view: the slot frees when the lease's server deadline passes.
+    let end = delayed_at + Duration::from_secs(15);
+    let (successor, admit_sent, admit_replied) = loop {
+        assert!(
+            Instant::now() < end,
+            "the successor was never admitted (the lease was never reaped)"
+        );
+        let sent = Instant::now();
+        match successor_quota.try_acquire("successor").await {
+            Ok(lease) => break (lease, sent, Instant::now()),
+            Err(Error::Full { .. }) => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(e) => panic!("successor: {e:?}"),
+        }
+    };
+    let calls_after_admission = evalsha_calls(&server);
+    let (reason, lost_at) = tokio::time::timeout(Duration::from_secs(10), lost)
+        .await
+        .expect("the holder reported no loss")
+        .unwrap();
+    let fence = holder.local_deadline();
+    let since = |at: Instant| at.saturating_duration_since(delayed_at);
+    println!(
+        "after the one-way delay began: holder's local deadline {:?}, lost reported {:?} \
+         ({reason}), successor admitted between {:?} and {:?}",
+        since(fence),
+        since(lost_at),
+        since(admit_sent),
+        since(admit_replied),
+    );
+    assert_eq!(reason, LostReason::LocalDeadline);
+    assert!(!holder.is_held());
+    // No renewal sent after the delay began was acknowledged: the fence is the deadline the
+    // holder already had, counted from a send before the delay.
+    assert_eq!(fence, deadline_before);
+    assert!(fence < delayed_at + TTL, "counted from a send, not a reply");
+    // The holder stopped before the server could admit anyone: the successor's successful
+    // attempt was only sent after the holder's deadline and after its loss was reported.
+    assert!(fence < admit_sent, "fenced after the server admitted");
+    assert!(
+        lost_at < admit_sent,
+        "lost reported after the server admitted"
+    );
+
+    // The renewals the holder sent during the delay are still on their way. Lifting the delay
+    // does not let later requests overtake them, so the reply to one more call on the holder's
+    // connection means the server has run all of them.
+    proxy.set_latency_to_server(Duration::ZERO);
+    holder_quota.status().await.unwrap();
+    let late_calls = evalsha_calls(&server) - calls_after_admission - 1;
+    println!("{late_calls} renewal call(s) reached the server after the successor's admission");
+    assert!(
+        late_calls >= 1,
+        "no renewal arrived late: the test did not provoke F4"
+    );
+    assert_eq!(
+        holder_backend.connection_rebuilds(),
+        0,
+        "the late renewals went out on the connection they were sent on"
+    );
+    assert_eq!(members(&server), vec!["successor".to_string()]);
+    assert!(successor.is_held());
+
+    // What such a late renewal is answered, asked again directly: the lease is gone.
+    let keys = QuotaKeys::new(QUOTA).unwrap();
+    let reply = direct
+        .renew(&keys, TTL, "", &[("holder".to_string(), token)])
+        .await
+        .unwrap();
+    assert_eq!(reply.outcomes, vec![leasehold::backend::RenewOutcome::Gone]);
+    assert_eq!(members(&server), vec!["successor".to_string()]);
+
+    successor.release().await.unwrap();
+    holder.release().await.unwrap();
+    let (max, samples) = watch.finish();
+    println!("ZCARD of the leases key: at most {max} over {samples} samples");
+    assert!(samples >= 10, "{samples}");
+    assert_eq!(max, 1, "the quota never counted more than its limit");
+    assert_eq!(members(&server), Vec::<String>::new());
+}
