@@ -5,6 +5,7 @@
 //! * [`RedisServer`]: a private `redis-server` process (no persistence) on a
 //!   free loopback port, with helpers to kill, restart, pause (SIGSTOP) and
 //!   resume (SIGCONT) it, stopped and cleaned up on drop;
+//! * [`ServerClock`]: a wall clock a test can step under a running server;
 //! * [`Reply`] and [`RedisServer::command`]: a tiny blocking RESP2 client to
 //!   inspect or prepare server state without an async runtime;
 //! * [`proxy::FaultProxy`]: a TCP proxy in front of a server with switchable faults
@@ -31,10 +32,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+mod clock;
 pub mod proxy;
 mod resp;
 mod server;
 
+pub use clock::ServerClock;
 pub use resp::Reply;
 pub use server::{RedisServer, REDIS_SERVER_ENV};
 

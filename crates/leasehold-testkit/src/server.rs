@@ -1,6 +1,6 @@
 //! A private `redis-server` child process, controlled with signals.
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -42,6 +42,7 @@ pub struct RedisServer {
     binary: OsString,
     port: u16,
     extra_args: Vec<String>,
+    env: Vec<(OsString, OsString)>,
     dir: PathBuf,
     child: Option<Child>,
     pid: u32,
@@ -75,19 +76,35 @@ impl RedisServer {
     /// port between [`free_port`] and the bind), it is retried up to 3 times
     /// on a new free port.
     pub fn start_with(args: &[&str]) -> RedisServer {
+        Self::start_with_env::<&str, &str>(&[], args)
+    }
+
+    /// Same as [`RedisServer::start_with`], with extra environment variables for the server
+    /// process (for example [`ServerClock::env`](crate::ServerClock::env), to step its wall
+    /// clock). [`RedisServer::restart`] passes them again.
+    pub fn start_with_env<K, V>(env: &[(K, V)], args: &[&str]) -> RedisServer
+    where
+        K: AsRef<OsStr>,
+        V: AsRef<OsStr>,
+    {
         let binary = redis_binary();
         let dir = temp_dir("leasehold-redis");
         let extra_args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let env: Vec<(OsString, OsString)> = env
+            .iter()
+            .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
+            .collect();
         let mut failures = Vec::new();
         for _ in 0..START_ATTEMPTS {
             let port = free_port();
-            match launch(&binary, port, &dir, &extra_args) {
+            match launch(&binary, port, &dir, &extra_args, &env) {
                 Ok(child) => {
                     return RedisServer {
                         binary,
                         port,
                         pid: child.id(),
                         extra_args,
+                        env,
                         dir,
                         child: Some(child),
                         paused: AtomicBool::new(false),
@@ -156,7 +173,13 @@ impl RedisServer {
         self.kill();
         let deadline = Instant::now() + REBIND_TIMEOUT;
         loop {
-            match launch(&self.binary, self.port, &self.dir, &self.extra_args) {
+            match launch(
+                &self.binary,
+                self.port,
+                &self.dir,
+                &self.extra_args,
+                &self.env,
+            ) {
                 Ok(child) => {
                     self.pid = child.id();
                     self.child = Some(child);
@@ -322,6 +345,7 @@ fn launch(
     port: u16,
     dir: &Path,
     extra_args: &[String],
+    env: &[(OsString, OsString)],
 ) -> Result<Child, LaunchFailure> {
     let log = log_path(dir);
     // A fresh log, so that a "ready" line always comes from this process.
@@ -337,6 +361,7 @@ fn launch(
         .arg(&log)
         .args(["--daemonize", "no", "--protected-mode", "yes"])
         .args(extra_args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());

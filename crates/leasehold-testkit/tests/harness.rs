@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use leasehold_testkit::{RedisServer, Reply};
+use leasehold_testkit::{RedisServer, Reply, ServerClock};
 
 fn pong() -> Reply {
     Reply::Status("PONG".into())
@@ -180,4 +180,41 @@ fn restart_waits_for_the_port_to_be_free() {
     release.join().unwrap();
     assert!(begin.elapsed() >= Duration::from_millis(500));
     assert_eq!(server.command(&["PING"]), pong());
+}
+
+/// The server's `TIME` in milliseconds.
+fn server_ms(server: &RedisServer) -> i64 {
+    let Reply::Array(parts) = server.command(&["TIME"]) else {
+        panic!("TIME is not an array");
+    };
+    let part = |i: usize| -> i64 { parts[i].as_string().unwrap().parse().unwrap() };
+    part(0) * 1000 + part(1) / 1000
+}
+
+#[test]
+fn server_clock_steps_the_servers_time_and_survives_a_restart() {
+    let clock = ServerClock::new();
+    let mut server = RedisServer::start_with_env(&clock.env(), &[]);
+    let own_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+    };
+    assert!((server_ms(&server) - own_ms()).abs() < 1000);
+    clock.set_offset_ms(3_600_000);
+    assert!((server_ms(&server) - own_ms() - 3_600_000).abs() < 1000);
+    clock.set_offset_ms(-90_500);
+    assert!((server_ms(&server) - own_ms() + 90_500).abs() < 1000);
+    server.restart();
+    assert!((server_ms(&server) - own_ms() + 90_500).abs() < 1000);
+    // Lua scripts read the same clock, and keys expire by it.
+    let Reply::Array(parts) = server.command(&["EVAL", "return redis.call('TIME')", "0"]) else {
+        panic!("TIME from a script is not an array");
+    };
+    let script_s: i64 = parts[0].as_string().unwrap().parse().unwrap();
+    assert!((script_s * 1000 - own_ms() + 90_500).abs() < 2000);
+    assert_eq!(server.command(&["SET", "k", "v", "PX", "5000"]), ok());
+    clock.set_offset_ms(-90_500 + 10_000);
+    assert_eq!(server.command(&["GET", "k"]), Reply::Nil);
 }
