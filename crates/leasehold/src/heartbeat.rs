@@ -134,6 +134,7 @@ async fn renew(shared: &Shared, epoch: &str, leases: Vec<Arc<LeaseInner>>) {
             RenewOutcome::Renewed { deadline_ms } => {
                 lease.renewed(
                     deadline_ms,
+                    sent,
                     shared.config.local_deadline(sent),
                     &reply.epoch,
                 );

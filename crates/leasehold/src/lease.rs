@@ -48,6 +48,10 @@ struct Times {
     /// sends, so that after a loss of the quota's state it re-registers (protocol §8) even when
     /// other leases of this process already learned the new epoch.
     epoch: Arc<str>,
+    /// When the call whose reply set `epoch` was sent: renewals may overlap and their replies
+    /// come back out of order (on a replaced connection), and the reply of an earlier call must
+    /// not move the epoch back.
+    epoch_sent: Instant,
 }
 
 impl std::fmt::Debug for Lease {
@@ -78,6 +82,7 @@ impl LeaseInner {
                 deadline_ms: record.deadline_ms,
                 local_deadline,
                 epoch: record.epoch.as_str().into(),
+                epoch_sent: sent,
             }),
             lost: watch::channel(None).0,
             lost_token: CancellationToken::new(),
@@ -132,19 +137,28 @@ impl LeaseInner {
         self.is_lost() || Instant::now() >= self.local_deadline()
     }
 
-    /// Records an acknowledged renewal (or `held` answer) in `epoch` whose call grants the holder
-    /// up to `local` (its send time + the ttl it sent − margin). A lease already past its local
-    /// deadline is not extended: it was reported lost, or is about to be, and stays so.
-    /// Returns whether it extended the lease.
-    pub(crate) fn renewed(&self, deadline_ms: u64, local: Instant, epoch: &str) -> bool {
+    /// Records an acknowledged renewal (or `held` answer) in `epoch` of a call sent at `sent`,
+    /// which grants the holder up to `local` (`sent` + the ttl it sent − margin). A lease already
+    /// past its local deadline is not extended: it was reported lost, or is about to be, and
+    /// stays so. Returns whether it extended the lease.
+    pub(crate) fn renewed(
+        &self,
+        deadline_ms: u64,
+        sent: Instant,
+        local: Instant,
+        epoch: &str,
+    ) -> bool {
         let mut times = self.times();
         if Instant::now() >= times.local_deadline {
             return false;
         }
         times.deadline_ms = times.deadline_ms.max(deadline_ms);
         times.local_deadline = times.local_deadline.max(local);
-        if *times.epoch != *epoch {
-            times.epoch = epoch.into();
+        if sent >= times.epoch_sent {
+            times.epoch_sent = sent;
+            if *times.epoch != *epoch {
+                times.epoch = epoch.into();
+            }
         }
         true
     }

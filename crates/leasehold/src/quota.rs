@@ -800,6 +800,7 @@ impl Shared {
             // only if the local deadline passed in between: then a new handle, as below.
             if same.renewed(
                 record.deadline_ms,
+                sent,
                 self.config.local_deadline(sent),
                 &record.epoch,
             ) {

@@ -874,14 +874,41 @@ async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixtu
         operator.set_limit(0, None).await,
         Err(Error::Misconfigured(Misconfiguration::InvalidLimit(_)))
     ));
-    // Down to one holder: one more admission, then full at 2.
+    // No version above the largest: an automatic one leaves the limit as it is.
+    let top = leasehold::MAX_LIMIT_VERSION;
+    assert_eq!(
+        operator.set_limit(4, Some(top)).await.unwrap(),
+        LimitUpdate::Stored(versioned(4, top))
+    );
+    assert_eq!(
+        operator.set_limit(5, None).await.unwrap(),
+        LimitUpdate::Kept(versioned(4, top))
+    );
+    assert_eq!(
+        operator
+            .set_limit(2, Some(top))
+            .await
+            .map_err(|e| e.to_string()),
+        Err(Error::Misconfigured(Misconfiguration::LimitMismatch {
+            configured: 2,
+            stored: 4,
+            version: top
+        })
+        .to_string())
+    );
+    // The workers now admit against the stored 4. Down to one holder: three more admissions,
+    // then full.
     for lease in holders.drain(1..) {
         lease.release().await.unwrap();
     }
     let _admitted = workers.try_acquire("new").await.unwrap();
+    let _more = [
+        workers.try_acquire("more-1").await.unwrap(),
+        workers.try_acquire("more-2").await.unwrap(),
+    ];
     assert!(is_full(&workers.try_acquire("another").await));
     let status = workers.status().await.unwrap();
-    assert_eq!((status.effective_limit(), status.holders.len()), (2, 2));
+    assert_eq!((status.effective_limit(), status.holders.len()), (4, 4));
 }
 
 async fn lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it(fx: Fixture) {

@@ -15,7 +15,7 @@ use super::{
     Snapshot, VersionedLimit,
 };
 use crate::error::Result;
-use crate::keys::QuotaKeys;
+use crate::keys::{QuotaKeys, MAX_LIMIT_VERSION};
 
 /// Capacity of each quota's event channel; a slow receiver loses old events (at most once).
 const EVENT_CAPACITY: usize = 1024;
@@ -283,7 +283,14 @@ impl Backend for MemoryBackend {
         version: Option<u64>,
     ) -> Result<LimitUpdate> {
         Ok(self.with_quota(&keys.name, |q, _now| {
-            let version = version.unwrap_or_else(|| q.limit.map_or(1, |l| l.version + 1));
+            let version = match (version, q.limit) {
+                (Some(version), _) => version,
+                // No version above the largest: the stored one stays, as in the script.
+                (None, Some(stored)) if stored.version >= MAX_LIMIT_VERSION => {
+                    return LimitUpdate::Kept(stored);
+                }
+                (None, stored) => stored.map_or(1, |l| l.version + 1),
+            };
             let sent = VersionedLimit { limit, version };
             match q.limit {
                 Some(stored) if stored.version > version => LimitUpdate::Kept(stored),

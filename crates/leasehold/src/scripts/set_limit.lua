@@ -3,7 +3,8 @@
 -- ARGV[1] limit   ARGV[2] version, or '' for one above the stored version (1 when none is stored)
 -- Reply: {code, limit, version}: the limit in force after the call
 --   1  stored: the call's limit and version replaced the stored ones (or none was stored)
---   0  kept: a higher version is stored, and stays
+--   0  kept: a higher version is stored, and stays (or '' was sent and the stored version is
+--      already the largest, 2^53 - 1: there is no version above it)
 --   5  mismatch: the same version is stored with another limit (as acquire's code 5)
 -- Versions are compared as numbers; clients keep them at most 2^53 - 1, where doubles are exact.
 local stored = redis.call('HMGET', KEYS[1], 'limit', 'version')
@@ -11,6 +12,9 @@ local stored_limit, stored_version = tonumber(stored[1]), tonumber(stored[2])
 local limit = tonumber(ARGV[1])
 local version
 if ARGV[2] == '' then
+  if stored_limit and stored_version and stored_version >= 9007199254740991 then
+    return {0, stored_limit, stored_version}
+  end
   version = (stored_version or 0) + 1
 else
   version = tonumber(ARGV[2])
