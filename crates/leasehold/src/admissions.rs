@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::lease::LeaseInner;
@@ -28,6 +29,9 @@ pub(crate) struct Admissions {
     /// Leases granted by the backend-down policy and not yet released: `DegradeLocal`'s share
     /// is for the process, whichever handle grants them.
     pub(crate) local_held: AtomicU32,
+    /// Token-guarded releases that got no answer, by task id: the token, and until when its
+    /// lease may still live in the backend.
+    unanswered_releases: Mutex<HashMap<String, (u64, Instant)>>,
 }
 
 impl Admissions {
@@ -45,6 +49,38 @@ impl Admissions {
     /// Attempts under way whose caller still waits, by task id.
     pub(crate) fn attempts(&self) -> MutexGuard<'_, HashMap<String, usize>> {
         self.attempts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn unanswered(&self) -> MutexGuard<'_, HashMap<String, (u64, Instant)>> {
+        self.unanswered_releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The release of `task_id`'s admission `token` got no answer (a timeout, a lost
+    /// connection): it may have been lost, or may still reach the backend late, from a
+    /// connection that was replaced meanwhile. Its lease lives until `until` at the latest.
+    pub(crate) fn release_unanswered(&self, task_id: &str, token: u64, until: Instant) {
+        let mut unanswered = self.unanswered();
+        let now = Instant::now();
+        unanswered.retain(|_, (_, until)| *until > now);
+        unanswered.insert(task_id.to_owned(), (token, until));
+    }
+
+    /// The release of `task_id`'s admission `token` was answered: it is settled.
+    pub(crate) fn release_answered(&self, task_id: &str, token: u64) {
+        let mut unanswered = self.unanswered();
+        if unanswered.get(task_id).is_some_and(|(t, _)| *t == token) {
+            unanswered.remove(task_id);
+        }
+    }
+
+    /// Whether admission `token` of `task_id` was released without an answer and may still
+    /// live in the backend: it must not be handed out again.
+    pub(crate) fn is_release_unanswered(&self, task_id: &str, token: u64) -> bool {
+        self.unanswered()
+            .get(task_id)
+            .is_some_and(|(t, until)| *t == token && *until > Instant::now())
     }
 }
 

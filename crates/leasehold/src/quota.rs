@@ -608,11 +608,7 @@ impl Shared {
                 // Adopted before the turn ends, so that a release of this task that waits for
                 // the turn sees the new handle and leaves the lease to it.
                 let _turn = shared.admissions.turns.take(&id).await;
-                let sent = Instant::now();
-                let reply = shared
-                    .backend
-                    .acquire_with_limit(&shared.keys, &id, shared.config.ttl, shared.config.limit)
-                    .await;
+                let (reply, sent) = shared.acquire_in_backend(&id).await;
                 let admitted = match &reply {
                     Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
                         Some(shared.adopt(record, sent))
@@ -917,6 +913,56 @@ impl Shared {
         }
     }
 
+    /// One admission attempt for `task_id` in the backend, made under its turn; returns the
+    /// reply and when the attempt was sent.
+    ///
+    /// A reply `held` with the token of this task's release that got no answer is not handed
+    /// out: that release may still reach the backend (from a connection replaced since, whose
+    /// bytes a proxy held) and end the lease under its new holder, while another process takes
+    /// the slot. The release is sent again, and the attempt made afresh: it gets a new token,
+    /// which the late release cannot touch.
+    async fn acquire_in_backend(&self, task_id: &str) -> (Result<AcquireReply>, Instant) {
+        let (ttl, limit) = (self.config.ttl, self.config.limit);
+        let sent = Instant::now();
+        let reply = self
+            .backend
+            .acquire_with_limit(&self.keys, task_id, ttl, limit)
+            .await;
+        let Ok(AcquireReply::Held(record)) = &reply else {
+            return (reply, sent);
+        };
+        if !self.admissions.is_release_unanswered(task_id, record.token) {
+            return (reply, sent);
+        }
+        tracing::debug!(quota = %self.keys.name, task_id, token = record.token,
+            "an admission whose release got no answer came back held; released again");
+        if let Err(e) = self.release_token(task_id, record.token).await {
+            return (Err(e), sent);
+        }
+        let sent = Instant::now();
+        let reply = self
+            .backend
+            .acquire_with_limit(&self.keys, task_id, ttl, limit)
+            .await;
+        (reply, sent)
+    }
+
+    /// The backend call of a token-guarded release, remembering one that got no answer.
+    async fn release_token(&self, task_id: &str, token: u64) -> Result<bool> {
+        let result = self.backend.release(&self.keys, task_id, Some(token)).await;
+        match &result {
+            // A lease lives at most a ttl past its last renewal, all sent before this; twice
+            // that leaves room for a server clock that runs a little faster than ours.
+            Err(Error::BackendUnavailable(_)) => self.admissions.release_unanswered(
+                task_id,
+                token,
+                Instant::now() + 2 * self.config.ttl,
+            ),
+            _ => self.admissions.release_answered(task_id, token),
+        }
+        result
+    }
+
     /// Releases `task_id` in the backend (token-guarded unless `None`).
     pub(crate) async fn release_in_backend(
         &self,
@@ -932,6 +978,6 @@ impl Shared {
         if self.lease(task_id).is_some_and(|live| live.token == token) {
             return Ok(false);
         }
-        self.backend.release(&self.keys, task_id, Some(token)).await
+        self.release_token(task_id, token).await
     }
 }

@@ -3,94 +3,13 @@
 //! of a cancel. The backend here is the memory backend behind a switch that makes every call
 //! fail transiently, as an unreachable Redis would; every wait is bounded.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use leasehold::backend::{
-    AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
-};
-use leasehold::{
-    Backend, BackendDownPolicy, BreakerConfig, Error, LostReason, MemoryBackend, Quota, QuotaKeys,
-    Result,
-};
-use tokio::sync::broadcast;
-
-/// The memory backend, and a switch that takes it "down".
-#[derive(Debug, Default)]
-struct Switchable {
-    inner: MemoryBackend,
-    down: AtomicBool,
-}
-
-impl Switchable {
-    fn up(&self) -> Result<()> {
-        match self.down.load(Ordering::SeqCst) {
-            true => Err(Error::BackendUnavailable("switched off".into())),
-            false => Ok(()),
-        }
-    }
-
-    fn set_down(&self, down: bool) {
-        self.down.store(down, Ordering::SeqCst);
-    }
-}
-
-#[async_trait]
-impl Backend for Switchable {
-    async fn acquire_with_limit(
-        &self,
-        keys: &QuotaKeys,
-        id: &str,
-        ttl: Duration,
-        limit: VersionedLimit,
-    ) -> Result<AcquireReply> {
-        self.up()?;
-        self.inner.acquire_with_limit(keys, id, ttl, limit).await
-    }
-    async fn renew(
-        &self,
-        keys: &QuotaKeys,
-        ttl: Duration,
-        epoch: &str,
-        leases: &[(String, u64)],
-    ) -> Result<RenewReply> {
-        self.up()?;
-        self.inner.renew(keys, ttl, epoch, leases).await
-    }
-    async fn set_limit(
-        &self,
-        keys: &QuotaKeys,
-        limit: u32,
-        version: Option<u64>,
-    ) -> Result<LimitUpdate> {
-        self.up()?;
-        self.inner.set_limit(keys, limit, version).await
-    }
-    async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
-        self.up()?;
-        self.inner.release(keys, id, token).await
-    }
-    async fn cancel(
-        &self,
-        keys: &QuotaKeys,
-        id: &str,
-        reason: &str,
-        ttl: Duration,
-    ) -> Result<bool> {
-        self.up()?;
-        self.inner.cancel(keys, id, reason, ttl).await
-    }
-    async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
-        self.up()?;
-        self.inner.snapshot(keys).await
-    }
-    async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
-        self.up()?;
-        self.inner.subscribe(keys).await
-    }
-}
+use common::switchable::Switchable;
+use leasehold::{Backend, BackendDownPolicy, BreakerConfig, LostReason, Quota};
 
 fn quota(backend: &Arc<Switchable>, policy: BackendDownPolicy, cool_down: Duration) -> Quota {
     Quota::builder("local")

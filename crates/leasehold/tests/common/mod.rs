@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod switchable;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

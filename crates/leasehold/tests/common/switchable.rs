@@ -1,0 +1,113 @@
+//! A backend wrapper for tests that need a backend which fails on command.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use leasehold::backend::{
+    AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
+};
+use leasehold::{Backend, Error, MemoryBackend, QuotaKeys, Result};
+use tokio::sync::broadcast;
+
+/// The memory backend, with a switch that takes it "down" (every call fails transiently, as an
+/// unreachable Redis would), and one that holds releases back: they fail as if they timed out,
+/// and reach the backend only when the test delivers them, as a proxy that held a replaced
+/// connection's bytes would.
+#[derive(Debug, Default)]
+pub struct Switchable {
+    pub inner: MemoryBackend,
+    down: AtomicBool,
+    hold_back_releases: AtomicBool,
+    held_back: Mutex<Vec<(QuotaKeys, String, Option<u64>)>>,
+}
+
+impl Switchable {
+    fn up(&self) -> Result<()> {
+        match self.down.load(Ordering::SeqCst) {
+            true => Err(Error::BackendUnavailable("switched off".into())),
+            false => Ok(()),
+        }
+    }
+
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    pub fn hold_back_releases(&self, hold: bool) {
+        self.hold_back_releases.store(hold, Ordering::SeqCst);
+    }
+
+    /// Delivers the releases held back, in order; returns whether each removed a lease.
+    pub async fn deliver_held_back(&self) -> Vec<bool> {
+        let held: Vec<_> = std::mem::take(&mut *self.held_back.lock().unwrap());
+        let mut removed = Vec::new();
+        for (keys, id, token) in held {
+            removed.push(self.inner.release(&keys, &id, token).await.unwrap());
+        }
+        removed
+    }
+}
+
+#[async_trait]
+impl Backend for Switchable {
+    async fn acquire_with_limit(
+        &self,
+        keys: &QuotaKeys,
+        id: &str,
+        ttl: Duration,
+        limit: VersionedLimit,
+    ) -> Result<AcquireReply> {
+        self.up()?;
+        self.inner.acquire_with_limit(keys, id, ttl, limit).await
+    }
+    async fn renew(
+        &self,
+        keys: &QuotaKeys,
+        ttl: Duration,
+        epoch: &str,
+        leases: &[(String, u64)],
+    ) -> Result<RenewReply> {
+        self.up()?;
+        self.inner.renew(keys, ttl, epoch, leases).await
+    }
+    async fn set_limit(
+        &self,
+        keys: &QuotaKeys,
+        limit: u32,
+        version: Option<u64>,
+    ) -> Result<LimitUpdate> {
+        self.up()?;
+        self.inner.set_limit(keys, limit, version).await
+    }
+    async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
+        self.up()?;
+        if self.hold_back_releases.load(Ordering::SeqCst) {
+            let call = (keys.clone(), id.to_owned(), token);
+            self.held_back.lock().unwrap().push(call);
+            return Err(Error::BackendUnavailable(
+                "no reply within the call timeout".into(),
+            ));
+        }
+        self.inner.release(keys, id, token).await
+    }
+    async fn cancel(
+        &self,
+        keys: &QuotaKeys,
+        id: &str,
+        reason: &str,
+        ttl: Duration,
+    ) -> Result<bool> {
+        self.up()?;
+        self.inner.cancel(keys, id, reason, ttl).await
+    }
+    async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
+        self.up()?;
+        self.inner.snapshot(keys).await
+    }
+    async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
+        self.up()?;
+        self.inner.subscribe(keys).await
+    }
+}

@@ -1,0 +1,70 @@
+//! A release that got no answer may still reach the backend later: from a connection the Redis
+//! backend replaced after it wedged, whose bytes a proxy held and then delivered. Such a release
+//! must never end the lease of a later holder of the same task: the admission it names is not
+//! handed out again. The backend is the memory backend behind a wrapper that holds releases
+//! back and delivers them on command.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::switchable::Switchable;
+use leasehold::{Backend, Error, Quota, QuotaKeys};
+
+fn quota(backend: &Arc<Switchable>) -> Quota {
+    Quota::builder("late")
+        .limit(1)
+        .ttl(Duration::from_secs(5))
+        .shared_backend(backend.clone() as Arc<dyn Backend>)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_release_delivered_late_never_ends_a_later_holder_of_the_same_task() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend);
+    let first = quota.try_acquire("t").await.unwrap();
+    backend.hold_back_releases(true);
+    let err = first.release().await.unwrap_err();
+    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    backend.hold_back_releases(false);
+
+    // The old admission is still live in the backend; asking for the task again must not hand
+    // it out (a late delivery of the release above would end it).
+    let again = quota.try_acquire("t").await.unwrap();
+    assert_ne!(again.fencing_token(), first.fencing_token());
+    let keys = QuotaKeys::new("late").unwrap();
+    let holders = backend.inner.snapshot(&keys).await.unwrap().holders;
+    assert_eq!(holders.len(), 1);
+    assert_eq!(holders[0].token, again.fencing_token());
+
+    // The held-back release arrives now: it names the old token and removes nothing.
+    assert_eq!(backend.deliver_held_back().await, vec![false]);
+    assert!(again.is_held());
+    let holders = backend.inner.snapshot(&keys).await.unwrap().holders;
+    assert_eq!(
+        holders.len(),
+        1,
+        "the new holder's lease survived the late release"
+    );
+    assert!(
+        matches!(quota.try_acquire("other").await, Err(Error::Full { .. })),
+        "the slot stays counted: nobody else is admitted beside the new holder"
+    );
+}
+
+#[tokio::test]
+async fn an_answered_release_leaves_nothing_to_settle() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend);
+    let first = quota.try_acquire("t").await.unwrap();
+    first.release().await.unwrap();
+    let again = quota.try_acquire("t").await.unwrap();
+    assert!(again.fencing_token() > first.fencing_token());
+    // A lease held by two callers of one task is still shared: no release is outstanding.
+    let shared = quota.try_acquire("t").await.unwrap();
+    assert_eq!(shared.fencing_token(), again.fencing_token());
+    assert_eq!(backend.deliver_held_back().await, Vec::<bool>::new());
+}
