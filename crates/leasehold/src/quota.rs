@@ -416,7 +416,7 @@ impl Quota {
         let mut retry_after = shared.until_expiry_or_poll();
         let (place, try_at_once) = shared.waiters.join(task_id, shared.holds(task_id));
         if try_at_once {
-            match self.attempt(task_id).await? {
+            match self.settled(self.attempt(task_id).await)? {
                 Attempt::Admitted(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r } => {
                     retry_after = r;
@@ -457,7 +457,7 @@ impl Quota {
                 Some(started) => started,
                 None => shared.start_attempt(task_id),
             };
-            match attempt.outcome().await? {
+            match self.settled(attempt.outcome().await)? {
                 Attempt::Admitted(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r } => {
                     retry_after = r;
@@ -465,6 +465,16 @@ impl Quota {
                 }
             }
         }
+    }
+
+    /// An attempt's outcome, as a waiter takes it: a misconfiguration (a limit that disagrees
+    /// with the stored one) ends every waiter's wait alike, so all of them try now and hear it,
+    /// instead of each at its next poll.
+    fn settled(&self, outcome: Result<Attempt>) -> Result<Attempt> {
+        if matches!(outcome, Err(Error::Misconfigured(_))) {
+            self.shared.waiters.wake_all();
+        }
+        outcome
     }
 
     /// A duration uniformly jittered between half and one and a half of `base`.

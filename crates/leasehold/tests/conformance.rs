@@ -45,6 +45,7 @@ conformance!(
     acquires_made_together_with_free_slots_go_at_once,
     lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it,
     the_operator_sets_the_limit_for_every_client_without_a_deploy,
+    waiters_in_line_all_hear_a_limit_mismatch_at_once,
     a_higher_limit_version_applies_to_every_client,
     the_same_version_with_another_limit_is_a_typed_error_and_takes_no_slot,
     a_held_task_is_answered_held_despite_a_limit_mismatch,
@@ -829,6 +830,60 @@ fn is_full(result: &leasehold::Result<leasehold::Lease>) -> bool {
 }
 
 /// F29: 10 holders, the limit lowered to 3 (a higher version), then raised back to 10.
+async fn waiters_in_line_all_hear_a_limit_mismatch_at_once(fx: Fixture) {
+    // Waiters behind the head poll rarely (4 × the poll interval): they must not each find out
+    // at their own next poll that their limit is refused.
+    let ttl = Duration::from_secs(20);
+    let quota = fx
+        .builder(1, ttl)
+        .poll_interval(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let _holder = quota.try_acquire("holder").await.unwrap();
+    let waiters: Vec<_> = (0..3)
+        .map(|i| {
+            let quota = quota.clone();
+            tokio::spawn(async move {
+                let result = quota.acquire(&format!("w{i}")).await;
+                (result.map(|l| l.fencing_token()), Instant::now())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The state is lost, and a client with another limit under the same version stores it first.
+    fx.wipe();
+    let other = common::quota_with(fx.second_client().await, &fx.name, 2, ttl)
+        .build()
+        .unwrap();
+    let _ = other.try_acquire("other").await;
+    let mut ends = Vec::new();
+    for waiter in waiters {
+        let (result, at) = tokio::time::timeout(Duration::from_secs(15), waiter)
+            .await
+            .expect("every waiter hears it within its first poll or two")
+            .unwrap();
+        assert!(
+            matches!(
+                result,
+                Err(Error::Misconfigured(Misconfiguration::LimitMismatch {
+                    configured: 1,
+                    stored: 2,
+                    ..
+                }))
+            ),
+            "{result:?}"
+        );
+        ends.push(at);
+    }
+    let (first, last) = (ends.iter().min().unwrap(), ends.iter().max().unwrap());
+    let spread = *last - *first;
+    println!("waiters heard the mismatch within {spread:?} of each other");
+    assert!(
+        spread < Duration::from_millis(500),
+        "the first to hear it wakes the others: {spread:?}"
+    );
+}
+
 async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixture) {
     let workers = fx.quota(5, TTL);
     let mut holders = Vec::new();
