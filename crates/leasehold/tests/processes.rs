@@ -345,8 +345,9 @@ enum End {
     Kill,
 }
 
-/// F13: the holder's own wall clock is stepped +1 h, then −2 h, then back while it holds a lease
-/// (ttl 1 s, so about three renewals a second), through about nine ttl in all. Nothing in the
+/// F13: the holder's own wall clock is stepped +1 h, then −2 h, then back (+1 h to the true
+/// clock before a release, +2 h to an hour ahead before a SIGKILL) while it holds a lease (ttl
+/// 1 s, so about three renewals a second), through about nine ttl in all. Nothing in the
 /// lease may notice: deadlines are the server's `TIME` and the holder's are monotonic. A design
 /// that read the client clock would show it here: a forward step would write deadlines an hour
 /// away (a crashed holder's slot taken for an hour), a backward step would make the holder's
