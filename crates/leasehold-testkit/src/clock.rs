@@ -1,4 +1,5 @@
-//! A steppable wall clock for a redis-server process (field-notes scenario F14).
+//! A steppable wall clock for a redis-server process (field-notes scenario F14), or any other
+//! process (F13).
 
 use std::ffi::OsString;
 use std::fs;
@@ -20,6 +21,10 @@ const SHIM_SOURCE: &str = include_str!("clock/shift.c");
 /// they would be by an NTP step. Pass [`ServerClock::env`] to
 /// [`RedisServer::start_with_env`](crate::RedisServer::start_with_env), then step the server's
 /// clock with [`ServerClock::set_offset_ms`].
+///
+/// Nothing in it is specific to redis-server: [`env`](ServerClock::env) loaded into any dynamically linked
+/// process (`Command::envs`) steps that process's wall clock the same way; the multi-process
+/// tests step a lease holder's clock with it (field notes F13).
 ///
 /// libfaketime cannot do this for Debian's redis-server: it recurses into `clock_gettime` while
 /// initialising under jemalloc and the server never starts (libfaketime issue #130).

@@ -19,12 +19,21 @@
 //!     held when it ends; prints "step START_NS END_NS committed" (or "discarded", and stops),
 //!     in CLOCK_MONOTONIC nanoseconds. Then "lost REASON" (the `LostReason` in `Debug` form) or
 //!     "completed", then "done", and releases.
+//! worker tick URL QUOTA LIMIT TTL_MS TASK_ID TICK_MS
+//!     acquire (waiting), print "acquired TOKEN", then every TICK_MS print
+//!     "tick MONO_NS WALL_MS LOCAL_LEFT_MS DEADLINE_MS": CLOCK_MONOTONIC nanoseconds, this
+//!     process's wall clock (ms since the Unix epoch: a test that steps it sees the step), the
+//!     ms left to the lease's local (monotonic) deadline, and the lease's deadline as the server
+//!     last acknowledged it (server ms). Stops at a line "release" on stdin (or its end): then
+//!     releases and prints "released"; or when the lease is lost: "lost REASON" (`Debug` form).
+//!     Then "done".
 //! worker clock URL QUOTA LIMIT TTL_MS
 //!     prints "clock MS": this process's wall clock, in ms since the Unix epoch (a test checks
 //!     that a clock it skewed really is skewed).
 //! ```
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::io::BufRead;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use leasehold::{Error, Quota, RedisBackend};
 use leasehold_testkit::monotonic_ns;
@@ -122,6 +131,56 @@ async fn main() -> Result<(), Error> {
             }
             println!("done");
             lease.release().await?;
+        }
+        "tick" => {
+            let lease = quota.acquire(arg(&args, 5)).await?;
+            println!("acquired {}", lease.fencing_token());
+            // A thread, not tokio's stdin: a blocking read must not hold up the ticks.
+            let (release_tx, mut release_rx) = tokio::sync::oneshot::channel::<()>();
+            std::thread::spawn(move || {
+                for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+                    if line.trim() == "release" {
+                        break;
+                    }
+                }
+                let _ = release_tx.send(());
+            });
+            let mut ticks = tokio::time::interval(Duration::from_millis(num(&args, 6)));
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {
+                        if let Err(e) = lease.ensure_held() {
+                            // The reason may follow the local deadline by a moment.
+                            let reason = tokio::time::timeout(Duration::from_secs(10), lease.lost())
+                                .await
+                                .map_or_else(|_| format!("unreported ({e})"), |r| format!("{r:?}"));
+                            println!("lost {reason}");
+                            break;
+                        }
+                        let mono = monotonic_ns();
+                        let wall = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+                        let left = lease.local_deadline().saturating_duration_since(Instant::now());
+                        let deadline = lease.deadline().duration_since(UNIX_EPOCH).unwrap();
+                        println!(
+                            "tick {mono} {} {} {}",
+                            wall.as_millis(),
+                            left.as_millis(),
+                            deadline.as_millis()
+                        );
+                    }
+                    reason = lease.lost() => {
+                        println!("lost {reason:?}");
+                        break;
+                    }
+                    _ = &mut release_rx => {
+                        lease.release().await?;
+                        println!("released");
+                        break;
+                    }
+                }
+            }
+            println!("done");
         }
         "clock" => {
             let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();

@@ -1,16 +1,18 @@
 //! Separate OS processes against one private redis-server: the fleet-wide limit holds, a killed
-//! holder's slot comes back one ttl later, client clocks play no part, and a holder paused past
-//! its cancel marker's ttl does no work once resumed.
+//! holder's slot comes back one ttl later, client clocks play no part (skewed, or stepped under
+//! a holder mid-lease), and a holder paused past its cancel marker's ttl does no work once
+//! resumed.
 //!
 //! The worker is `examples/worker.rs`, which `cargo test` builds beside the test binaries.
 
-use std::io::{BufRead, BufReader};
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use leasehold_testkit::RedisServer;
+use leasehold_testkit::{monotonic_ns, RedisServer, Reply, ServerClock};
 
 fn worker_path() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -43,6 +45,12 @@ struct Worker {
 
 impl Worker {
     fn spawn(prefix: &[&str], args: &[String]) -> Worker {
+        Worker::spawn_with_env(prefix, &[], args)
+    }
+
+    /// Like [`Worker::spawn`], with extra environment variables (a wall-clock shim, say); its
+    /// stdin is a pipe the test may write to (`tick` mode reads "release" there).
+    fn spawn_with_env(prefix: &[&str], env: &[(String, OsString)], args: &[String]) -> Worker {
         let mut cmd = if prefix.is_empty() {
             Command::new(worker_path())
         } else {
@@ -53,6 +61,8 @@ impl Worker {
         let mut child = cmd
             .args(args)
             .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -283,6 +293,326 @@ fn client_clocks_an_hour_off_change_nothing() {
     println!("fast-clock holder's deadline is {ahead_ms} ms ahead of server time (ttl 1500)");
     assert!((0..=1500).contains(&ahead_ms), "{ahead_ms}");
     assert_eq!(fast.wait(Duration::from_secs(15)), vec!["held".to_string()]);
+}
+
+/// Real (unshifted) wall clock of the test process, ms since the Unix epoch.
+fn wall_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// The server's `TIME` and the score (stored deadline) of `task` in `key`, read in one script so
+/// that no renewal falls between the two.
+fn server_now_and_score(server: &RedisServer, key: &str, task: &str) -> (i64, Option<i64>) {
+    let script = "local t = redis.call('TIME') \
+                  return {t[1], t[2], redis.call('ZSCORE', KEYS[1], ARGV[1])}";
+    let Reply::Array(parts) = server.command(&["EVAL", script, "1", key, task]) else {
+        panic!("the TIME/ZSCORE script did not return an array");
+    };
+    let int = |i: usize| -> i64 { parts[i].as_string().unwrap().parse().unwrap() };
+    let now = int(0) * 1000 + int(1) / 1000;
+    let score = parts
+        .get(2)
+        .and_then(Reply::as_string)
+        .map(|s| s.parse::<f64>().unwrap() as i64);
+    (now, score)
+}
+
+/// One `tick` line of a worker.
+struct Tick {
+    mono_ns: u128,
+    wall_ms: i64,
+    left_ms: i64,
+    deadline_ms: i64,
+}
+
+fn parse_tick(line: &str) -> Option<Tick> {
+    let mut parts = line.strip_prefix("tick ")?.split_whitespace();
+    Some(Tick {
+        mono_ns: parts.next()?.parse().ok()?,
+        wall_ms: parts.next()?.parse().ok()?,
+        left_ms: parts.next()?.parse().ok()?,
+        deadline_ms: parts.next()?.parse().ok()?,
+    })
+}
+
+/// How the stepped holder's lease ends.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum End {
+    Release,
+    Kill,
+}
+
+/// F13: the holder's own wall clock is stepped +1 h, then −2 h, then back (+1 h to the true
+/// clock before a release, +2 h to an hour ahead before a SIGKILL) while it holds a lease (ttl
+/// 1 s, so about three renewals a second), through about nine ttl in all. Nothing in the
+/// lease may notice: deadlines are the server's `TIME` and the holder's are monotonic. A design
+/// that read the client clock would show it here: a forward step would write deadlines an hour
+/// away (a crashed holder's slot taken for an hour), a backward step would make the holder's
+/// own lease look an hour stale.
+fn client_clock_stepped_mid_lease(end: End) {
+    const TTL_MS: i64 = 1000;
+    const HOUR_MS: i64 = 3_600_000;
+    // Loaded into the worker only: the server keeps the true clock.
+    let clock = ServerClock::new();
+    let server = RedisServer::start();
+    let quota_name = match end {
+        End::Release => "f13-release",
+        End::Kill => "f13-kill",
+    };
+    let leases_key = format!("leasehold:{{{quota_name}}}:leases");
+    let task = "stepped";
+    // Released at the true offset; killed an hour ahead, where a client-clock deadline would
+    // keep the slot for an hour.
+    let final_offset_ms = match end {
+        End::Release => 0,
+        End::Kill => HOUR_MS,
+    };
+    let phases: [(i64, u64); 4] = [
+        (0, 1500),
+        (HOUR_MS, 3000),
+        (-HOUR_MS, 3000),
+        (final_offset_ms, 1500),
+    ];
+    let mut worker = Worker::spawn_with_env(
+        &[],
+        &clock.env(),
+        &args(&[&"tick", &server.url(), &quota_name, &1, &TTL_MS, &task, &50]),
+    );
+    let first = worker.next_line(Duration::from_secs(10));
+    assert!(first.starts_with("acquired"), "{first}");
+    // Translates the worker's CLOCK_MONOTONIC stamps into true wall-clock ms: this process's
+    // clock is not shifted, and both clocks advance alike over a few seconds.
+    let base_ms = wall_ms() - (monotonic_ns() / 1_000_000) as i64;
+
+    let mut lines: Vec<String> = Vec::new();
+    // Per phase: (monotonic ns just before the step, just after).
+    let mut steps: Vec<(u128, u128)> = Vec::new();
+    // (phase, server now, stored deadline)
+    let mut samples: Vec<(usize, i64, i64)> = Vec::new();
+    for (phase, &(offset_ms, run_ms)) in phases.iter().enumerate() {
+        let before = monotonic_ns();
+        clock.set_offset_ms(offset_ms);
+        steps.push((before, monotonic_ns()));
+        let phase_end = Instant::now() + Duration::from_millis(run_ms);
+        while Instant::now() < phase_end {
+            let (now, score) = server_now_and_score(&server, &leases_key, task);
+            lines.extend(worker.lines.try_iter());
+            let score = score.unwrap_or_else(|| {
+                panic!("phase {phase} (offset {offset_ms} ms): the lease left Redis; {lines:?}")
+            });
+            samples.push((phase, now, score));
+            assert!(
+                !lines.iter().any(|l| l.starts_with("lost")),
+                "phase {phase} (offset {offset_ms} ms): the worker lost its lease: {lines:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    // How the lease ends: the slot must come back exactly as it would without a step.
+    let reclaim_report = match end {
+        End::Release => {
+            let stdin = worker.child.stdin.as_mut().unwrap();
+            stdin.write_all(b"release\n").unwrap();
+            stdin.flush().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(15);
+            loop {
+                assert!(Instant::now() < deadline, "no release: {lines:?}");
+                let line = worker.next_line(Duration::from_secs(10));
+                let released = line == "released";
+                assert!(!line.starts_with("lost"), "{line}; {lines:?}");
+                lines.push(line);
+                if released {
+                    break;
+                }
+            }
+            let released_at = Instant::now();
+            let (_, score) = server_now_and_score(&server, &leases_key, task);
+            assert_eq!(score, None, "the released lease is still stored");
+            // One attempt, no waiting: the slot is free the moment the release is acknowledged.
+            let probe = Worker::spawn(
+                &[],
+                &args(&[&"try", &server.url(), &quota_name, &1, &TTL_MS, &"next"]),
+            );
+            let reply = probe.wait(Duration::from_secs(10));
+            assert_eq!(reply.len(), 1, "{reply:?}");
+            assert!(
+                reply[0].starts_with("acquired"),
+                "a single try after the release: {reply:?}"
+            );
+            let report = format!(
+                "released; a single try_acquire by another process got the slot {} ms later",
+                released_at.elapsed().as_millis()
+            );
+            let rest = worker.wait(Duration::from_secs(10));
+            assert_eq!(rest, vec!["done".to_string()]);
+            report
+        }
+        End::Kill => {
+            lines.extend(worker.lines.try_iter());
+            // SIGKILL: no release, no more renewals.
+            worker.child.kill().unwrap();
+            worker.child.wait().unwrap();
+            lines.extend(worker.lines.try_iter());
+            let (killed_server_ms, score) = server_now_and_score(&server, &leases_key, task);
+            let final_deadline =
+                score.expect("the killed holder's lease is stored until it expires");
+            let last_renewal = final_deadline - TTL_MS;
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let quota = rt.block_on(async {
+                let backend = leasehold::RedisBackend::connect(&server.url())
+                    .await
+                    .unwrap();
+                leasehold::Quota::builder(quota_name)
+                    .limit(1)
+                    .ttl(Duration::from_millis(TTL_MS as u64))
+                    .backend(backend)
+                    .build()
+                    .unwrap()
+            });
+            let give_up = Instant::now() + Duration::from_secs(15);
+            let next = rt.block_on(async {
+                loop {
+                    match quota.try_acquire("next").await {
+                        Ok(lease) => break lease,
+                        Err(leasehold::Error::Full { .. }) if Instant::now() < give_up => {
+                            tokio::time::sleep(Duration::from_millis(20)).await
+                        }
+                        Err(e) => panic!("the killed holder's slot never came back: {e:?}"),
+                    }
+                }
+            });
+            let admitted = next
+                .acquired_at()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as i64;
+            let after_renewal = admitted - last_renewal;
+            let report = format!(
+                "SIGKILLed {} ms after its last renewal (server time); slot admitted to another \
+                 holder {after_renewal} ms after that renewal (ttl {TTL_MS})",
+                killed_server_ms - last_renewal
+            );
+            assert!(
+                killed_server_ms < final_deadline,
+                "the holder was alive when killed"
+            );
+            // Not before its deadline (the acquire reaps only expired leases) and not an hour
+            // late: one ttl after the last renewal, plus the polling and a loaded machine.
+            assert!(
+                (TTL_MS..=TTL_MS + 1000).contains(&after_renewal),
+                "{report}"
+            );
+            rt.block_on(next.release()).unwrap();
+            report
+        }
+    };
+
+    // The worker's own view, tick by tick.
+    let ticks: Vec<Tick> = lines.iter().filter_map(|l| parse_tick(l)).collect();
+    let phase_of = |mono: u128| -> Option<usize> {
+        let i = steps.iter().rposition(|&(before, _)| before <= mono)?;
+        // Between the two stamps the worker may have read either offset.
+        (mono > steps[i].1).then_some(i)
+    };
+    let mut report = Vec::new();
+    let mut last_deadline = 0;
+    for (phase, &(offset_ms, _)) in phases.iter().enumerate() {
+        let in_phase: Vec<&Tick> = ticks
+            .iter()
+            .filter(|t| phase_of(t.mono_ns) == Some(phase))
+            .collect();
+        // Proof the step reached the worker: a test that moved nothing must fail here.
+        assert!(
+            in_phase.len() >= 5,
+            "phase {phase}: only {} ticks",
+            in_phase.len()
+        );
+        let mut skews = Vec::new();
+        let mut renewals = 0;
+        for tick in &in_phase {
+            let true_ms = (tick.mono_ns / 1_000_000) as i64 + base_ms;
+            let skew = tick.wall_ms - true_ms;
+            skews.push(skew);
+            assert!(
+                (skew - offset_ms).abs() < 1000,
+                "phase {phase}: the worker's wall clock is {skew} ms off, not {offset_ms}"
+            );
+            // The local deadline is monotonic: still ahead, and never more than a ttl ahead.
+            assert!(
+                tick.left_ms > 0 && tick.left_ms <= TTL_MS,
+                "phase {phase}: local deadline {} ms ahead (ttl {TTL_MS})",
+                tick.left_ms
+            );
+            // The acknowledged deadline is server time: ahead of the true time, at most a ttl
+            // (100 ms slack: two clock reads in the worker and one here).
+            let ahead = tick.deadline_ms - true_ms;
+            assert!(
+                (-100..=TTL_MS + 100).contains(&ahead),
+                "phase {phase}: the lease's deadline is {ahead} ms ahead of true time"
+            );
+            assert!(tick.deadline_ms >= last_deadline, "the deadline went back");
+            if tick.deadline_ms > last_deadline && last_deadline != 0 {
+                renewals += 1;
+            }
+            last_deadline = tick.deadline_ms;
+        }
+        assert!(
+            renewals >= 2,
+            "phase {phase}: the worker saw {renewals} renewals"
+        );
+        let phase_samples: Vec<&(usize, i64, i64)> =
+            samples.iter().filter(|s| s.0 == phase).collect();
+        let mut moves = 0;
+        for pair in phase_samples.windows(2) {
+            assert!(pair[1].2 >= pair[0].2, "the stored deadline went back");
+            moves += usize::from(pair[1].2 > pair[0].2);
+        }
+        // Renewed by server time: never expired, never extended beyond one ttl.
+        let margins: Vec<i64> = phase_samples.iter().map(|s| s.2 - s.1).collect();
+        for &margin in &margins {
+            assert!(
+                margin > 0 && margin <= TTL_MS,
+                "phase {phase}: the stored deadline is {margin} ms ahead of server time"
+            );
+        }
+        assert!(
+            moves >= 2,
+            "phase {phase}: the stored deadline moved {moves} times"
+        );
+        let left: Vec<i64> = in_phase.iter().map(|t| t.left_ms).collect();
+        report.push(format!(
+            "offset {offset_ms:+} ms: {} ticks, worker clock off by {}..{} ms, local deadline \
+             {}..{} ms ahead, {renewals} renewals seen by the worker; stored deadline moved {moves} \
+             times in {} samples, {}..{} ms ahead of server time",
+            in_phase.len(),
+            skews.iter().min().unwrap(),
+            skews.iter().max().unwrap(),
+            left.iter().min().unwrap(),
+            left.iter().max().unwrap(),
+            margins.len(),
+            margins.iter().min().unwrap(),
+            margins.iter().max().unwrap(),
+        ));
+    }
+    println!(
+        "F13 {end:?}:\n  {}\n  {reclaim_report}",
+        report.join("\n  ")
+    );
+    assert!(!lines.iter().any(|l| l.starts_with("lost")), "{lines:?}");
+}
+
+#[test]
+fn a_client_clock_stepped_mid_lease_changes_nothing_then_release() {
+    client_clock_stepped_mid_lease(End::Release);
+}
+
+#[test]
+fn a_client_clock_stepped_mid_lease_changes_nothing_then_sigkill() {
+    client_clock_stepped_mid_lease(End::Kill);
 }
 
 /// Sends `signal` to `pid` and waits (at most 5 s) until /proc shows it stopped or not.
