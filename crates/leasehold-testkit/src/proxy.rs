@@ -18,6 +18,7 @@
 //! proxy.partition(true);                          // this client is cut off from Redis
 //! proxy.partition(false);
 //! proxy.wedge_connections();                       // today's connections go silent for good
+//! proxy.set_upstream(server.port());               // a failover: reconnect, to this port
 //! assert_ne!(proxy.port(), server.port());
 //! ```
 
@@ -26,7 +27,7 @@ mod push_filter;
 
 use std::io;
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
@@ -52,7 +53,8 @@ pub struct FaultProxy {
 /// The state shared by the proxy handle, its acceptor and its connection threads.
 #[derive(Debug)]
 struct Shared {
-    upstream: SocketAddr,
+    /// The upstream port on 127.0.0.1; read once per connection, when it connects upstream.
+    upstream_port: AtomicU16,
     faults: Faults,
     connections: Mutex<Vec<Connection>>,
     accepted: AtomicU64,
@@ -133,7 +135,7 @@ impl FaultProxy {
             .unwrap_or_else(|e| panic!("fault proxy: no local address: {e}"))
             .port();
         let shared = Arc::new(Shared {
-            upstream: SocketAddr::from((Ipv4Addr::LOCALHOST, upstream_port)),
+            upstream_port: AtomicU16::new(upstream_port),
             faults: Faults::default(),
             connections: Mutex::new(Vec::new()),
             accepted: AtomicU64::new(0),
@@ -249,6 +251,24 @@ impl FaultProxy {
         connections.len()
     }
 
+    /// Sends every new connection to `127.0.0.1:upstream_port` from now on, and closes every
+    /// current connection (returning when their threads have ended), as a failover's moved
+    /// virtual IP or a Sentinel-driven reconnect would: a client sees its connections drop, and
+    /// the ones it opens again reach the new server. Faults switched on stay on.
+    pub fn set_upstream(&self, upstream_port: u16) {
+        self.shared
+            .upstream_port
+            .store(upstream_port, Ordering::SeqCst);
+        // A connection accepted before the store but still connecting may reach the old
+        // upstream; closing after the store ends it too.
+        self.drop_connections();
+    }
+
+    /// The port new connections are forwarded to (on 127.0.0.1).
+    pub fn upstream_port(&self) -> u16 {
+        self.shared.upstream_port.load(Ordering::SeqCst)
+    }
+
     /// Client connections open right now.
     pub fn connections(&self) -> usize {
         let mut connections = lock(&self.shared.connections);
@@ -298,6 +318,9 @@ fn open(client: TcpStream, shared: &Arc<Shared>) -> io::Result<()> {
     let upstream = Arc::new(Mutex::new(None));
     let closed = Arc::new(AtomicBool::new(false));
     let wedged = Arc::new(AtomicBool::new(false));
+    // Held across the spawn, so that `drop_connections` (as in `set_upstream`) either finds
+    // this connection in the list or runs wholly before its thread reads the upstream port.
+    let mut connections = lock(&shared.connections);
     let thread = {
         let client = client.try_clone()?;
         let (upstream, closed, shared) = (upstream.clone(), closed.clone(), shared.clone());
@@ -309,7 +332,6 @@ fn open(client: TcpStream, shared: &Arc<Shared>) -> io::Result<()> {
             .name("fault-proxy-conn".into())
             .spawn(move || run_connection(client, &upstream, &links, &shared))?
     };
-    let mut connections = lock(&shared.connections);
     connections.retain(|c| !c.thread.is_finished());
     connections.push(Connection {
         client,
@@ -336,7 +358,11 @@ fn run_connection(
     shared: &Arc<Shared>,
 ) {
     let closed = &links.closed;
-    let upstream = match TcpStream::connect_timeout(&shared.upstream, UPSTREAM_CONNECT_TIMEOUT) {
+    let target = SocketAddr::from((
+        Ipv4Addr::LOCALHOST,
+        shared.upstream_port.load(Ordering::SeqCst),
+    ));
+    let upstream = match TcpStream::connect_timeout(&target, UPSTREAM_CONNECT_TIMEOUT) {
         Ok(upstream) => upstream,
         Err(_) => {
             let _ = client.shutdown(Shutdown::Both);

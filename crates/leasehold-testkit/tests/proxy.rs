@@ -238,6 +238,38 @@ fn drop_connections_closes_them_and_new_ones_work() {
 }
 
 #[test]
+fn set_upstream_closes_current_connections_and_sends_new_ones_to_the_new_server() {
+    let first = RedisServer::start();
+    let second = RedisServer::start();
+    first.command(&["SET", "who", "first"]);
+    second.command(&["SET", "who", "second"]);
+    let proxy = FaultProxy::start(first.port());
+    assert_eq!(proxy.upstream_port(), first.port());
+    let mut client = Client::connect(proxy.port());
+    client.send(&[b"GET", b"who"]);
+    client.read_until(b"$5\r\nfirst\r\n", Duration::from_secs(2));
+    // A fault switched on before the move stays on after it.
+    proxy.set_latency(Duration::from_millis(50));
+
+    proxy.set_upstream(second.port());
+    assert_eq!(proxy.upstream_port(), second.port());
+    assert_eq!(proxy.connections(), 0);
+    let (_, closed) = client.read_until(b"never", Duration::from_secs(2));
+    assert!(closed, "the connection to the old server is closed");
+    let mut again = Client::connect(proxy.port());
+    let start = Instant::now();
+    again.send(&[b"GET", b"who"]);
+    let (got, _) = again.read_until(b"$6\r\nsecond\r\n", Duration::from_secs(2));
+    assert!(
+        got.ends_with(b"$6\r\nsecond\r\n"),
+        "a new connection reaches the new server: {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    assert!(start.elapsed() >= Duration::from_millis(100), "latency kept");
+    assert_eq!(proxy.accepted(), 2);
+}
+
+#[test]
 fn wedge_silences_the_open_connections_for_good_and_new_ones_work() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
