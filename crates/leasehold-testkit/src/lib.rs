@@ -8,9 +8,10 @@
 //! * [`ServerClock`]: a wall clock a test can step under a running server;
 //! * [`Reply`] and [`RedisServer::command`]: a tiny blocking RESP2 client to
 //!   inspect or prepare server state without an async runtime;
+//! * [`RedisServer::start_replica_of`]: a replica, for failovers;
 //! * [`proxy::FaultProxy`]: a TCP proxy in front of a server with switchable faults
 //!   (latency, stall, dropped connections, partition, lost Pub/Sub deliveries, wedged
-//!   connections);
+//!   connections, a switchable upstream);
 //! * [`free_port`] and [`temp_dir`]: small helpers.
 //!
 //! The `redis-server` binary is taken from `PATH`, or from the

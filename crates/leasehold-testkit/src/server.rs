@@ -128,6 +128,52 @@ impl RedisServer {
         );
     }
 
+    /// Starts a replica of the server on `127.0.0.1:master_port` (a [`RedisServer`] or a
+    /// [`FaultProxy`](crate::proxy::FaultProxy) in front of one, so that the replication link
+    /// can be stalled or cut), with the extra arguments of [`RedisServer::start_with`]; blocks
+    /// until its first sync is done (`master_link_status:up`, at most 10 s, then panics).
+    ///
+    /// First sets `repl-diskless-sync-delay 0` on the master: its default (5 s, waiting for
+    /// more replicas to share one transfer) would delay every first sync by 5 s.
+    ///
+    /// Promote it with `command(&["REPLICAOF", "NO", "ONE"])`. [`RedisServer::restart`] starts
+    /// it as a replica again.
+    pub fn start_replica_of(master_port: u16, args: &[&str]) -> RedisServer {
+        let master = SocketAddr::from((Ipv4Addr::LOCALHOST, master_port));
+        let set = exchange(
+            master,
+            &[&["CONFIG", "SET", "repl-diskless-sync-delay", "0"]],
+            COMMAND_TIMEOUT,
+        );
+        match set.as_deref() {
+            Ok([Reply::Status(_)]) => {}
+            other => panic!("CONFIG SET repl-diskless-sync-delay 0 on {master} failed: {other:?}"),
+        }
+        let port = master_port.to_string();
+        let mut all = vec!["--replicaof", "127.0.0.1", port.as_str()];
+        all.extend_from_slice(args);
+        let replica = Self::start_with(&all);
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let info = replica
+                .try_command(&["INFO", "replication"])
+                .ok()
+                .and_then(|reply| reply.as_string())
+                .unwrap_or_default();
+            if info.contains("master_link_status:up") {
+                return replica;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "replica on port {} of 127.0.0.1:{master_port} did not sync within \
+                     {READY_TIMEOUT:?}; INFO replication:\n{info}",
+                    replica.port
+                );
+            }
+            sleep(POLL);
+        }
+    }
+
     /// The TCP port the server listens on (on 127.0.0.1).
     pub fn port(&self) -> u16 {
         self.port

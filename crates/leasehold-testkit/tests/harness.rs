@@ -218,3 +218,26 @@ fn server_clock_steps_the_servers_time_and_survives_a_restart() {
     clock.set_offset_ms(-90_500 + 10_000);
     assert_eq!(server.command(&["GET", "k"]), Reply::Nil);
 }
+
+#[test]
+fn a_replica_follows_its_master_refuses_writes_and_can_be_promoted() {
+    let master = RedisServer::start();
+    master.command(&["SET", "before", "1"]);
+    let replica = RedisServer::start_replica_of(master.port(), &[]);
+    // The first sync is done when start_replica_of returns.
+    assert_eq!(
+        replica.command(&["GET", "before"]).as_string().as_deref(),
+        Some("1")
+    );
+    master.command(&["SET", "after", "2"]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while replica.command(&["GET", "after"]).as_string().is_none() {
+        assert!(Instant::now() < deadline, "the write never replicated");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(replica
+        .command(&["SET", "x", "1"])
+        .is_error_starting_with("READONLY"));
+    assert_eq!(replica.command(&["REPLICAOF", "NO", "ONE"]), ok());
+    assert_eq!(replica.command(&["SET", "x", "1"]), ok());
+}
