@@ -265,7 +265,10 @@ fn set_upstream_closes_current_connections_and_sends_new_ones_to_the_new_server(
         "a new connection reaches the new server: {:?}",
         String::from_utf8_lossy(&got)
     );
-    assert!(start.elapsed() >= Duration::from_millis(100), "latency kept");
+    assert!(
+        start.elapsed() >= Duration::from_millis(100),
+        "latency kept"
+    );
     assert_eq!(proxy.accepted(), 2);
 }
 
