@@ -77,18 +77,18 @@ struct QuotaState {
 }
 
 impl QuotaState {
-    /// Settles the stored limit with a caller's: the first one, or a higher version, is stored.
-    /// Returns the limit to admit up to, or `Err` with the stored one when the versions are equal
-    /// and the limits are not.
-    fn settle_limit(&mut self, sent: VersionedLimit) -> Result<u32, VersionedLimit> {
+    /// Settles the stored limit with a caller's, by the protocol's rule (acquire and set_limit
+    /// alike): the first one, or a higher version, is stored; a lower version, or the same one
+    /// again, keeps the stored one; the same version with another limit is a mismatch.
+    fn settle_limit(&mut self, sent: VersionedLimit) -> LimitUpdate {
         match self.limit {
-            Some(stored) if stored.version > sent.version => Ok(stored.limit),
-            Some(stored) if stored.version == sent.version && stored.limit != sent.limit => {
-                Err(stored)
+            Some(stored) if stored.version > sent.version || stored == sent => {
+                LimitUpdate::Kept(stored)
             }
+            Some(stored) if stored.version == sent.version => LimitUpdate::Mismatch(stored),
             _ => {
                 self.limit = Some(sent);
-                Ok(sent.limit)
+                LimitUpdate::Stored(sent)
             }
         }
     }
@@ -198,8 +198,8 @@ impl Backend for MemoryBackend {
                 return AcquireReply::Held(record(task_id, *s, now, q.epochs.id()));
             }
             let limit = match settled {
-                Ok(limit) => limit,
-                Err(stored) => return AcquireReply::LimitMismatch { stored },
+                LimitUpdate::Stored(limit) | LimitUpdate::Kept(limit) => limit.limit,
+                LimitUpdate::Mismatch(stored) => return AcquireReply::LimitMismatch { stored },
             };
             if q.epochs.quarantine_until_ms > now {
                 return AcquireReply::Quarantined {
@@ -291,18 +291,7 @@ impl Backend for MemoryBackend {
                 }
                 (None, stored) => stored.map_or(1, |l| l.version + 1),
             };
-            let sent = VersionedLimit { limit, version };
-            match q.limit {
-                Some(stored) if stored.version > version => LimitUpdate::Kept(stored),
-                Some(stored) if stored.version == version && stored.limit != limit => {
-                    LimitUpdate::Mismatch(stored)
-                }
-                Some(stored) if stored == sent => LimitUpdate::Kept(stored),
-                _ => {
-                    q.limit = Some(sent);
-                    LimitUpdate::Stored(sent)
-                }
-            }
+            q.settle_limit(VersionedLimit { limit, version })
         }))
     }
 
