@@ -19,7 +19,7 @@ use tokio::sync::{broadcast, mpsc};
 
 mod link;
 
-use self::link::{Link, Next, Ticket};
+use self::link::{Link, Next};
 use super::batch::Batcher;
 use super::redacted_url::redacted;
 use super::{
@@ -97,6 +97,15 @@ struct Inner {
     releases: Mutex<HashMap<String, Arc<Queue<ReleaseBatcher>>>>,
 }
 
+impl Inner {
+    /// Channel name -> sender of that quota's events.
+    fn channels(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, broadcast::Sender<QuotaEvent>>> {
+        self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// Admission attempts (task ids) of one quota, ttl, limit and limit version, sent together.
 type AcquireBatcher = Batcher<String, AcquireReply>;
 
@@ -166,9 +175,7 @@ impl RedisBackend {
             // would only show as a timeout there.
             tokio::time::timeout(timeout, client.get_multiplexed_async_connection())
                 .await
-                .map_err(|_| {
-                    Error::BackendUnavailable(format!("no connection within {timeout:?}"))
-                })?
+                .map_err(|_| no_connection_within(timeout))?
                 .map_err(|e| match e.kind() {
                     // Garbage in answer to the handshake: something else listens there.
                     ErrorKind::Parse => Misconfiguration::Protocol(format!(
@@ -197,9 +204,11 @@ impl RedisBackend {
             // Load every script now: a first renewal that has to go EVALSHA, NOSCRIPT, SCRIPT
             // LOAD, EVALSHA takes three round trips, which a slow link may not fit in a ttl.
             for script in [&*ACQUIRE, &*RENEW, &*RELEASE, &*CANCEL, &*SNAPSHOT] {
-                let (mut conn, ticket) = backend.inner.link.checkout();
                 backend
-                    .bounded("", ticket, script.load_async(&mut conn))
+                    .on_link(
+                        "",
+                        |mut conn| async move { script.load_async(&mut conn).await },
+                    )
                     .await?;
             }
             Ok(backend)
@@ -223,8 +232,7 @@ impl RedisBackend {
     }
 
     async fn call_raw(&self, cmd: redis::Cmd) -> Result<Value> {
-        let (mut conn, ticket) = self.inner.link.checkout();
-        self.bounded("", ticket, async move {
+        self.on_link("", |mut conn| async move {
             cmd.query_async::<Value>(&mut conn).await
         })
         .await
@@ -237,16 +245,16 @@ impl RedisBackend {
         self.inner.link.rebuilds()
     }
 
-    /// Runs `fut`, a call on the connection `ticket` was issued with, with the call timeout,
-    /// mapping errors for the quota `quota`; its outcome feeds the wedge detection.
-    async fn bounded<T>(
-        &self,
-        quota: &str,
-        ticket: Ticket,
-        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
-    ) -> Result<T> {
+    /// Runs `call` on the current connection with the call timeout, mapping errors for the
+    /// quota `quota`; its outcome feeds the wedge detection.
+    async fn on_link<T, F, Fut>(&self, quota: &str, call: F) -> Result<T>
+    where
+        F: FnOnce(ConnectionManager) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let (conn, ticket) = self.inner.link.checkout();
         let timeout = self.inner.options.call_timeout;
-        let result = tokio::time::timeout(timeout, fut).await;
+        let result = tokio::time::timeout(timeout, call(conn)).await;
         let timed_out = match &result {
             Err(_) => true,
             // redis-rs's own response timeout (the same duration) may fire first.
@@ -293,12 +301,9 @@ impl RedisBackend {
             for arg in &args {
                 invocation.arg(arg);
             }
-            let (mut conn, ticket) = this.inner.link.checkout();
-            this.bounded(
-                &quota,
-                ticket,
-                invocation.invoke_async::<Vec<Value>>(&mut conn),
-            )
+            this.on_link(&quota, |mut conn| async move {
+                invocation.invoke_async::<Vec<Value>>(&mut conn).await
+            })
             .await
         })
         .await
@@ -311,6 +316,10 @@ fn probe(backend: RedisBackend) -> std::pin::Pin<Box<dyn std::future::Future<Out
     Box::pin(async move {
         let _ = backend.call_raw(redis::cmd("PING")).await;
     })
+}
+
+fn no_connection_within(timeout: Duration) -> Error {
+    Error::BackendUnavailable(format!("no connection within {timeout:?}"))
 }
 
 /// The settings of every connection of a backend: the first and its replacements.
@@ -330,7 +339,7 @@ async fn new_manager(
         ConnectionManager::new_with_config(client.clone(), config),
     )
     .await
-    .map_err(|_| Error::BackendUnavailable(format!("no connection within {timeout:?}")))?
+    .map_err(|_| no_connection_within(timeout))?
     .map_err(|e| map_error(e, ""))
 }
 
@@ -370,10 +379,7 @@ fn rebuild(inner: Arc<Inner>) -> std::pin::Pin<Box<dyn std::future::Future<Outpu
         // after, on the new connection.
         inner.link.swap(conn);
         let _one_at_a_time = inner.subscribing.lock().await;
-        let names: Vec<String> = {
-            let channels = inner.channels.lock().unwrap_or_else(|e| e.into_inner());
-            channels.keys().cloned().collect()
-        };
+        let names: Vec<String> = inner.channels().keys().cloned().collect();
         if names.is_empty() {
             tracing::info!("redis connection replaced");
             return;
@@ -381,9 +387,8 @@ fn rebuild(inner: Arc<Inner>) -> std::pin::Pin<Box<dyn std::future::Future<Outpu
         let backend = RedisBackend {
             inner: inner.clone(),
         };
-        let (mut conn, ticket) = inner.link.checkout();
         let subscribed = backend
-            .bounded("", ticket, async move { conn.subscribe(&names).await })
+            .on_link("", |mut conn| async move { conn.subscribe(&names).await })
             .await;
         match subscribed {
             // Each confirmation arrives as a push, which `dispatch_pushes` turns into
@@ -394,11 +399,7 @@ fn rebuild(inner: Arc<Inner>) -> std::pin::Pin<Box<dyn std::future::Future<Outpu
                 // again at its next acquire or waiter round; meanwhile waiting runs on timers and
                 // polls, as without events.
                 tracing::warn!(error = %e, "redis connection replaced, resubscribing failed");
-                inner
-                    .channels
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clear();
+                inner.channels().clear();
             }
         }
     })
@@ -425,7 +426,7 @@ async fn dispatch_pushes(inner: Weak<Inner>, mut pushes: mpsc::UnboundedReceiver
             PushKind::Subscribe => QuotaEvent::Resubscribed,
             _ => continue,
         };
-        let channels = inner.channels.lock().unwrap_or_else(|e| e.into_inner());
+        let channels = inner.channels();
         if let Some(sender) = channels.get(&channel) {
             let _ = sender.send(event);
         }
@@ -537,6 +538,17 @@ fn text(v: Option<&Value>) -> Result<String> {
             Err(Misconfiguration::Protocol(format!("expected a string, got {other:?}")).into())
         }
     }
+}
+
+/// A stored limit from the two values `limit, version` a script replies.
+fn versioned_limit(values: &[Value]) -> Result<VersionedLimit> {
+    let limit = int(values.first())?;
+    Ok(VersionedLimit {
+        limit: u32::try_from(limit).map_err(|_| {
+            Misconfiguration::Protocol(format!("a limit out of range was replied: {limit}"))
+        })?,
+        version: int(values.get(1))?,
+    })
 }
 
 /// A lease from the four values `token, acquired_ms, deadline_ms` (after the code) of an acquire
@@ -696,12 +708,7 @@ impl RedisBackend {
                     now_ms,
                 }),
                 5 => Ok(AcquireReply::LimitMismatch {
-                    stored: VersionedLimit {
-                        limit: u32::try_from(int(answer.get(1))?).map_err(|_| {
-                            Misconfiguration::Protocol("acquire replied a limit above u32".into())
-                        })?,
-                        version: int(answer.get(2))?,
-                    },
+                    stored: versioned_limit(&answer[1..])?,
                 }),
                 other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
             })
@@ -825,14 +832,7 @@ impl Backend for RedisBackend {
                 vec![limit.to_string(), version],
             )
             .await?;
-        let limit = VersionedLimit {
-            limit: u32::try_from(int(reply.get(1))?).map_err(|_| {
-                Misconfiguration::Protocol(format!(
-                    "set_limit replied a limit out of range: {reply:?}"
-                ))
-            })?,
-            version: int(reply.get(2))?,
-        };
+        let limit = versioned_limit(reply.get(1..).unwrap_or_default())?;
         match int(reply.first())? {
             1 => Ok(LimitUpdate::Stored(limit)),
             0 => Ok(LimitUpdate::Kept(limit)),
@@ -918,12 +918,7 @@ impl Backend for RedisBackend {
         }
         let limit = match int(reply.get(1))? {
             0 => None,
-            stored => Some(VersionedLimit {
-                limit: u32::try_from(stored).map_err(|_| {
-                    Misconfiguration::Protocol("snapshot replied a limit above u32".into())
-                })?,
-                version: int(reply.get(2))?,
-            }),
+            _ => Some(versioned_limit(&reply[1..])?),
         };
         let holders = reply[3..]
             .chunks(4)
@@ -955,26 +950,19 @@ impl Backend for RedisBackend {
         // receiver under a caller told it was subscribed.)
         runtime::finish(async move {
             let _one_at_a_time = this.inner.subscribing.lock().await;
-            let channels = || {
-                this.inner
-                    .channels
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-            };
-            if let Some(sender) = channels().get(&channel) {
+            if let Some(sender) = this.inner.channels().get(&channel) {
                 return Ok(sender.subscribe());
             }
             // In place before the SUBSCRIBE, so the first messages after it find their way.
             let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
-            channels().insert(channel.clone(), sender);
-            let (mut conn, ticket) = this.inner.link.checkout();
+            this.inner.channels().insert(channel.clone(), sender);
             let name = channel.clone();
             let result = this
-                .bounded("", ticket, async move { conn.subscribe(&name).await })
+                .on_link("", |mut conn| async move { conn.subscribe(&name).await })
                 .await;
             if let Err(e) = result {
                 // Let the next caller try again.
-                channels().remove(&channel);
+                this.inner.channels().remove(&channel);
                 return Err(e);
             }
             Ok(receiver)
