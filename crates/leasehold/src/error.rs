@@ -104,6 +104,19 @@ pub enum Misconfiguration {
     Protocol(String),
 }
 
+impl Misconfiguration {
+    /// A handle configured with `configured` was refused: the backend stores `stored` under
+    /// the same limit version.
+    pub(crate) fn limit_mismatch(configured: u32, stored: crate::VersionedLimit) -> Error {
+        Misconfiguration::LimitMismatch {
+            configured,
+            stored: stored.limit,
+            version: stored.version,
+        }
+        .into()
+    }
+}
+
 /// Every error leasehold returns.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {

@@ -1,5 +1,6 @@
 //! [`Quota`]: a handle to one named, fleet-wide concurrency quota.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -370,12 +371,7 @@ impl Quota {
             .set_limit(&self.shared.keys, limit, version)
             .await?;
         match update {
-            LimitUpdate::Mismatch(stored) => Err(Misconfiguration::LimitMismatch {
-                configured: limit,
-                stored: stored.limit,
-                version: stored.version,
-            }
-            .into()),
+            LimitUpdate::Mismatch(stored) => Err(Misconfiguration::limit_mismatch(limit, stored)),
             done => Ok(done),
         }
     }
@@ -674,14 +670,9 @@ impl Shared {
                     }
                 }
                 Ok(AcquireReply::Cancelled { reason }) => Err(Error::Cancelled(reason)),
-                Ok(AcquireReply::LimitMismatch { stored }) => {
-                    Err(Misconfiguration::LimitMismatch {
-                        configured: shared.config.limit.limit,
-                        stored: stored.limit,
-                        version: stored.version,
-                    }
-                    .into())
-                }
+                Ok(AcquireReply::LimitMismatch { stored }) => Err(
+                    Misconfiguration::limit_mismatch(shared.config.limit.limit, stored),
+                ),
                 Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
                 Err(e) => Err(e),
             };
@@ -705,23 +696,12 @@ impl Shared {
 
     /// The live lease of `task_id` in this process, if any.
     pub(crate) fn lease(&self, task_id: &str) -> Option<Arc<LeaseInner>> {
-        // Upgraded handles are dropped only after the guard: a last handle's drop re-enters
-        // the registry (see `forget`).
-        let found = {
-            let registry = self.admissions.registry();
-            registry.get(task_id).and_then(Weak::upgrade)
-        };
-        found.filter(|l| !l.is_lost())
+        live_in(self.admissions.registry(), task_id)
     }
 
     /// The live lease the backend-down policy granted `task_id` in this process, if any.
     pub(crate) fn local_lease_of(&self, task_id: &str) -> Option<Arc<LeaseInner>> {
-        // Dropped after the guard, as in `lease`.
-        let found = {
-            let local = self.admissions.local();
-            local.get(task_id).and_then(Weak::upgrade)
-        };
-        found.filter(|l| !l.is_lost())
+        live_in(self.admissions.local(), task_id)
     }
 
     /// The lease `task_id` holds in this process, from the backend or from the policy, if it is
@@ -932,12 +912,15 @@ impl Shared {
     /// the slot. The release is sent again, and the attempt made afresh: it gets a new token,
     /// which the late release cannot touch.
     async fn acquire_in_backend(&self, task_id: &str) -> (Result<AcquireReply>, Instant) {
-        let (ttl, limit) = (self.config.ttl, self.config.limit);
-        let sent = Instant::now();
-        let reply = self
-            .backend
-            .acquire_with_limit(&self.keys, task_id, ttl, limit)
-            .await;
+        let attempt = || async {
+            let sent = Instant::now();
+            let reply = self
+                .backend
+                .acquire_with_limit(&self.keys, task_id, self.config.ttl, self.config.limit)
+                .await;
+            (reply, sent)
+        };
+        let (reply, sent) = attempt().await;
         let Ok(AcquireReply::Held(record)) = &reply else {
             return (reply, sent);
         };
@@ -949,12 +932,7 @@ impl Shared {
         if let Err(e) = self.release_token(task_id, record.token).await {
             return (Err(e), sent);
         }
-        let sent = Instant::now();
-        let reply = self
-            .backend
-            .acquire_with_limit(&self.keys, task_id, ttl, limit)
-            .await;
-        (reply, sent)
+        attempt().await
     }
 
     /// The backend call of a token-guarded release, remembering one that got no answer.
@@ -990,4 +968,16 @@ impl Shared {
         }
         self.release_token(task_id, token).await
     }
+}
+
+/// The live lease of `task_id` in `map` (the registry or the local leases), if any. The guard is
+/// released before the upgraded handle can drop: a last handle's drop re-enters the map (see
+/// `Shared::forget`).
+fn live_in(
+    map: std::sync::MutexGuard<'_, HashMap<String, Weak<LeaseInner>>>,
+    task_id: &str,
+) -> Option<Arc<LeaseInner>> {
+    let found = map.get(task_id).and_then(Weak::upgrade);
+    drop(map);
+    found.filter(|l| !l.is_lost())
 }
