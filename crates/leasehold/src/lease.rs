@@ -40,7 +40,6 @@ pub(crate) struct LeaseInner {
     pub(crate) local: bool,
 }
 
-#[derive(Clone)]
 struct Times {
     deadline_ms: u64,
     local_deadline: Instant,
