@@ -74,26 +74,15 @@ fn the_commands_exit_code_propagates_and_a_full_quota_exits_75_at_once() {
         "killed by SIGKILL, like its command"
     );
     assert_eq!(shell_code(out.status), 128 + 9);
-    let mut holder = leasehold(&server.url(), "codes")
-        .args([
-            "run",
-            "--limit",
-            "1",
-            "--task-id",
-            "holder",
-            "--",
-            "sleep",
-            "30",
-        ])
-        .spawn()
-        .unwrap();
-    wait_held(&server, "codes", "holder");
-    let started = Instant::now();
-    let out = run_cli(
-        &server.url(),
+    let mut holder = spawn_holder(
+        &server,
         "codes",
-        ["run", "--limit", "1", "--wait", "0", "--", "true"],
+        &["--limit", "1"],
+        "holder",
+        &["sleep", "30"],
     );
+    let started = Instant::now();
+    let out = try_once(&server.url(), "codes", &["--limit", "1"]);
     assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
     assert!(started.elapsed() < Duration::from_secs(2));
     let out = run_cli(
@@ -111,25 +100,17 @@ fn a_sigkilled_run_and_its_command_free_the_slot_one_ttl_later() {
     let server = RedisServer::start();
     let dir = temp_dir("leasehold-cli-kill");
     let pidfile = dir.join("pid");
-    let mut victim = leasehold(&server.url(), "kill")
-        .args([
-            "run",
-            "--limit",
-            "1",
-            "--ttl",
-            "1s",
-            "--task-id",
-            "victim",
-            "--",
-        ])
-        .args([
+    let mut victim = spawn_holder(
+        &server,
+        "kill",
+        &["--limit", "1", "--ttl", "1s"],
+        "victim",
+        &[
             "sh",
             "-c",
             &format!("echo $$ > {}; exec sleep 60", pidfile.display()),
-        ])
-        .spawn()
-        .unwrap();
-    wait_held(&server, "kill", "victim");
+        ],
+    );
     std::thread::sleep(Duration::from_millis(500)); // a renewal went through
     let child_pid: i32 = std::fs::read_to_string(&pidfile)
         .unwrap()
@@ -201,11 +182,7 @@ fn cancel_from_another_process_stops_the_command() {
 #[test]
 fn sigterm_to_run_is_forwarded_and_the_slot_released_after_the_command_exits() {
     let server = RedisServer::start();
-    let mut run = leasehold(&server.url(), "term")
-        .args(["run", "--limit", "1", "--task-id", "t", "--", "sleep", "60"])
-        .spawn()
-        .unwrap();
-    wait_held(&server, "term", "t");
+    let mut run = spawn_holder(&server, "term", &["--limit", "1"], "t", &["sleep", "60"]);
     std::thread::sleep(Duration::from_millis(200));
     // SAFETY: kill(2) on our child's pid.
     unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
@@ -216,20 +193,13 @@ fn sigterm_to_run_is_forwarded_and_the_slot_released_after_the_command_exits() {
 #[test]
 fn status_shows_holders_as_a_table_and_as_json() {
     let server = RedisServer::start();
-    let mut run = leasehold(&server.url(), "st")
-        .args([
-            "run",
-            "--limit",
-            "2",
-            "--task-id",
-            "visible",
-            "--",
-            "sleep",
-            "30",
-        ])
-        .spawn()
-        .unwrap();
-    wait_held(&server, "st", "visible");
+    let mut run = spawn_holder(
+        &server,
+        "st",
+        &["--limit", "2"],
+        "visible",
+        &["sleep", "30"],
+    );
     let table = run_cli(&server.url(), "st", ["status", "--limit", "2"]);
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(
@@ -534,47 +504,24 @@ fn output_that_cannot_be_written_is_reported_not_panicked() {
 #[test]
 fn limit_versions_decide_the_limit_and_a_mismatch_exits_78() {
     let server = RedisServer::start();
-    let mut holder = leasehold(&server.url(), "lv")
-        .args([
-            "run",
-            "--limit",
-            "2",
-            "--limit-version",
-            "1",
-            "--task-id",
-            "a",
-            "--",
-            "sleep",
-            "30",
-        ])
-        .spawn()
-        .unwrap();
-    wait_held(&server, "lv", "a");
-    let mismatch = run_cli(
+    let mut holder = spawn_holder(
+        &server,
+        "lv",
+        &["--limit", "2", "--limit-version", "1"],
+        "a",
+        &["sleep", "30"],
+    );
+    let mismatch = try_once(
         &server.url(),
         "lv",
-        [
-            "run",
-            "--limit",
-            "3",
-            "--limit-version",
-            "1",
-            "--wait",
-            "0",
-            "--",
-            "true",
-        ],
+        &["--limit", "3", "--limit-version", "1"],
     );
     let err = stderr(&mismatch);
     assert_eq!(mismatch.status.code(), Some(78), "{err}");
     assert!(err.contains("limit mismatch"), "{err}");
     assert_eq!(holders(&server, "lv"), 1, "the refused run took no slot");
     // An older version runs under the stored limit 2, not its own 1 (which is full).
-    let older = run_cli(
-        &server.url(),
-        "lv",
-        ["run", "--limit", "1", "--wait", "0", "--", "true"],
-    );
+    let older = try_once(&server.url(), "lv", &["--limit", "1"]);
     assert_eq!(older.status.code(), Some(0), "{}", stderr(&older));
     let json = run_cli(&server.url(), "lv", ["status", "--json"]);
     let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
@@ -583,36 +530,16 @@ fn limit_versions_decide_the_limit_and_a_mismatch_exits_78() {
         (Some(2), Some(1))
     );
     // A higher version lowers it to 1 for everyone: the holder keeps its slot, nobody else runs.
-    let lower = run_cli(
+    let lower = try_once(
         &server.url(),
         "lv",
-        [
-            "run",
-            "--limit",
-            "1",
-            "--limit-version",
-            "2",
-            "--wait",
-            "0",
-            "--",
-            "true",
-        ],
+        &["--limit", "1", "--limit-version", "2"],
     );
     assert_eq!(lower.status.code(), Some(75), "{}", stderr(&lower));
-    let older = run_cli(
+    let older = try_once(
         &server.url(),
         "lv",
-        [
-            "run",
-            "--limit",
-            "2",
-            "--limit-version",
-            "1",
-            "--wait",
-            "0",
-            "--",
-            "true",
-        ],
+        &["--limit", "2", "--limit-version", "1"],
     );
     assert_eq!(older.status.code(), Some(75), "{}", stderr(&older));
     assert_eq!(
@@ -634,21 +561,13 @@ fn limit_versions_decide_the_limit_and_a_mismatch_exits_78() {
 #[test]
 fn limit_changes_the_stored_limit_for_every_run_and_refuses_a_version_not_above_it() {
     let server = RedisServer::start();
-    let mut holder = leasehold(&server.url(), "ops")
-        .args(["run", "--limit", "3", "--task-id", "a", "--", "sleep", "30"])
-        .spawn()
-        .unwrap();
-    wait_held(&server, "ops", "a");
+    let mut holder = spawn_holder(&server, "ops", &["--limit", "3"], "a", &["sleep", "30"]);
     let set = run_cli(&server.url(), "ops", ["limit", "1"]);
     assert_eq!(set.status.code(), Some(0), "{}", stderr(&set));
     let said = String::from_utf8_lossy(&set.stdout);
     assert!(said.contains("limit 1 (version 1) stored"), "{said}");
     // Runs built with --limit 3 (version 0) now admit against 1: full, and the holder stays.
-    let full = run_cli(
-        &server.url(),
-        "ops",
-        ["run", "--limit", "3", "--wait", "0", "--", "true"],
-    );
+    let full = try_once(&server.url(), "ops", &["--limit", "3"]);
     assert_eq!(full.status.code(), Some(75), "{}", stderr(&full));
     assert_eq!(holders(&server, "ops"), 1);
     // The same command again is a no-op; a version not above the stored one changes nothing.
@@ -673,11 +592,7 @@ fn limit_changes_the_stored_limit_for_every_run_and_refuses_a_version_not_above_
     // Raised to 2 (version 2): one more run gets a slot.
     let raised = run_cli(&server.url(), "ops", ["limit", "2"]);
     assert!(String::from_utf8_lossy(&raised.stdout).contains("limit 2 (version 2) stored"));
-    let runs = run_cli(
-        &server.url(),
-        "ops",
-        ["run", "--limit", "3", "--wait", "0", "--", "true"],
-    );
+    let runs = try_once(&server.url(), "ops", &["--limit", "3"]);
     assert_eq!(runs.status.code(), Some(0), "{}", stderr(&runs));
     // SAFETY: kill(2) on our child's pid.
     unsafe { libc::kill(holder.id() as i32, libc::SIGTERM) };

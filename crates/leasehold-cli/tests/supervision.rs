@@ -92,12 +92,10 @@ fn ticks(dir: &Path) -> usize {
 
 /// Another run on the same quota (limit 1) that only tries once: 0 if it got the slot.
 fn try_the_slot(server: &RedisServer, quota: &str) -> i32 {
-    let out = run_cli(
-        &server.url(),
-        quota,
-        ["run", "--limit", "1", "--wait", "0", "--", "true"],
-    );
-    out.status.code().unwrap()
+    try_once(&server.url(), quota, &["--limit", "1"])
+        .status
+        .code()
+        .unwrap()
 }
 
 #[test]

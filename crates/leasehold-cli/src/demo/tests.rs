@@ -261,6 +261,33 @@ fn arrival(index: u64) -> Arrival {
     }
 }
 
+/// Serves arrivals `indices` (task ids `t{i}`) on `world`, each as its own tokio task.
+fn serve_all(
+    world: &Arc<World>,
+    indices: std::ops::Range<u64>,
+    stop: &CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    indices
+        .map(|i| {
+            tokio::spawn(
+                world
+                    .clone()
+                    .serve(arrival(i), format!("t{i}"), stop.clone()),
+            )
+        })
+        .collect()
+}
+
+/// Waits (bounded, 5 s each) for the served tasks to return after their stop; none panicked.
+async fn join_stopped(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("a stopped task returns")
+            .expect("no panic");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sample_does_not_wait_for_the_admissions_in_flight() {
     let server = RedisServer::start();
@@ -269,15 +296,7 @@ async fn a_sample_does_not_wait_for_the_admissions_in_flight() {
     // Each call now takes 200 ms, and the column admits one task at a time: 1.6 s for eight.
     proxy.set_latency(Duration::from_millis(100));
     let stop = CancellationToken::new();
-    let tasks: Vec<_> = (0..8)
-        .map(|i| {
-            tokio::spawn(
-                world
-                    .clone()
-                    .serve(arrival(i), format!("t{i}"), stop.clone()),
-            )
-        })
-        .collect();
+    let tasks = serve_all(&world, 0..8, &stop);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let asked = Instant::now();
     let sample = tokio::time::timeout(Duration::from_secs(10), world.sample())
@@ -295,12 +314,7 @@ async fn a_sample_does_not_wait_for_the_admissions_in_flight() {
     }
     // Nor does the end of a task: a stop ends the eight at once, with no call.
     stop.cancel();
-    for task in tasks {
-        tokio::time::timeout(Duration::from_secs(5), task)
-            .await
-            .expect("a stopped task returns")
-            .expect("no panic");
-    }
+    join_stopped(tasks).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,15 +325,7 @@ async fn a_column_sheds_arrivals_beyond_its_pending_bound_and_counts_them() {
     let extra = 5;
     proxy.stall(true);
     let stop = CancellationToken::new();
-    let tasks: Vec<_> = (0..(MAX_PENDING + extra) as u64)
-        .map(|i| {
-            tokio::spawn(
-                world
-                    .clone()
-                    .serve(arrival(i), format!("t{i}"), stop.clone()),
-            )
-        })
-        .collect();
+    let tasks = serve_all(&world, 0..(MAX_PENDING + extra) as u64, &stop);
     let end = Instant::now() + Duration::from_secs(10);
     while world.tally().shed < extra as u64 {
         assert!(Instant::now() < end, "{:?}", world.tally());
@@ -335,12 +341,7 @@ async fn a_column_sheds_arrivals_beyond_its_pending_bound_and_counts_them() {
     assert_eq!(tally.shed, extra as u64, "{tally:?}");
     assert_eq!(tally.admitted, MAX_PENDING as u64, "{tally:?}");
     stop.cancel();
-    for task in tasks {
-        tokio::time::timeout(Duration::from_secs(5), task)
-            .await
-            .expect("a stopped task returns")
-            .expect("no panic");
-    }
+    join_stopped(tasks).await;
 }
 
 /// Waits (bounded) until the controller's phase is `phase`.

@@ -32,6 +32,35 @@ where
     output(cmd)
 }
 
+/// Runs `leasehold run RUN_ARGS --wait 0 -- true`: one try for a slot, no waiting.
+pub fn try_once(url: &str, quota: &str, run_args: &[&str]) -> Output {
+    let mut cmd = leasehold(url, quota);
+    cmd.arg("run")
+        .args(run_args)
+        .args(["--wait", "0", "--", "true"]);
+    output(cmd)
+}
+
+/// Starts `leasehold run RUN_ARGS --task-id TASK -- COMMAND` in the background and returns it
+/// once `task` holds its lease (see [`wait_held`]).
+pub fn spawn_holder(
+    server: &RedisServer,
+    quota: &str,
+    run_args: &[&str],
+    task: &str,
+    command: &[&str],
+) -> Child {
+    let child = leasehold(&server.url(), quota)
+        .arg("run")
+        .args(run_args)
+        .args(["--task-id", task, "--"])
+        .args(command)
+        .spawn()
+        .unwrap();
+    wait_held(server, quota, task);
+    child
+}
+
 pub fn wait_output(mut child: Child, within: Duration) -> Output {
     let end = Instant::now() + within;
     while child.try_wait().unwrap().is_none() {
