@@ -6,9 +6,12 @@
 //! the replica run beside them over the limit. Holders whose leases the replica has keep them.
 //! Tokens issued on the replica repeat tokens issued on the old primary.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use leasehold::{Error, Lease, LostReason, Quota, QuotaKeys, RedisBackend, RedisOptions};
+use common::proxied::connect_through;
+use leasehold::{Error, Lease, LostReason, Quota, QuotaKeys};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::{RedisServer, Reply};
 
@@ -63,16 +66,7 @@ async fn a_failover_to_a_lagging_replica_over_admits_until_the_next_heartbeat_at
     let link = FaultProxy::start(primary.port());
     let replica = RedisServer::start_replica_of(link.port(), &[]);
     let proxy = FaultProxy::start(primary.port());
-    let backend = RedisBackend::connect_with(
-        &proxy.url(),
-        RedisOptions {
-            call_timeout: CALL_TIMEOUT,
-            connect_timeout: CALL_TIMEOUT,
-            ..RedisOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let backend = connect_through(&proxy, CALL_TIMEOUT).await;
     let quota = Quota::builder(QUOTA)
         .limit(LIMIT)
         .ttl(TTL)

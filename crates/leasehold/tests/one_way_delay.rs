@@ -3,12 +3,15 @@
 //! from when its last acknowledged renewal was *sent*, before the server reaps the lease and
 //! admits someone else; and the renewals that arrive after that must not bring it back.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use leasehold::{Backend, Error, LostReason, Quota, QuotaKeys, RedisBackend, RedisOptions};
+use common::proxied::connect_through;
+use leasehold::{Backend, Error, LostReason, Quota, QuotaKeys, RedisBackend};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::{RedisServer, Reply};
 
@@ -96,16 +99,7 @@ fn members(server: &RedisServer) -> Vec<String> {
 async fn a_holder_whose_requests_arrive_late_fences_itself_before_the_server_reaps_it() {
     let server = Arc::new(RedisServer::start());
     let proxy = FaultProxy::start(server.port());
-    let holder_backend = RedisBackend::connect_with(
-        &proxy.url(),
-        RedisOptions {
-            call_timeout: CALL_TIMEOUT,
-            connect_timeout: CALL_TIMEOUT,
-            ..RedisOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let holder_backend = connect_through(&proxy, CALL_TIMEOUT).await;
     let holder_quota = Quota::builder(QUOTA)
         .limit(1)
         .ttl(TTL)

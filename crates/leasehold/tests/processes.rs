@@ -37,6 +37,49 @@ fn worker_path() -> PathBuf {
     path
 }
 
+/// A quota of limit 1 on `server` for the test itself to acquire in, built on `rt` after
+/// `configure` adds any further settings.
+fn own_quota(
+    rt: &tokio::runtime::Runtime,
+    server: &RedisServer,
+    name: &str,
+    ttl: Duration,
+    configure: impl FnOnce(leasehold::QuotaBuilder) -> leasehold::QuotaBuilder,
+) -> leasehold::Quota {
+    rt.block_on(async {
+        let backend = leasehold::RedisBackend::connect(&server.url())
+            .await
+            .unwrap();
+        configure(
+            leasehold::Quota::builder(name)
+                .limit(1)
+                .ttl(ttl)
+                .backend(backend),
+        )
+        .build()
+        .unwrap()
+    })
+}
+
+/// Retries `try_acquire` every 20 ms while the quota is full, for at most 15 s: until a slot
+/// held by a worker that can no longer release it (`slot` names it) comes back.
+async fn acquire_once_freed(
+    quota: &leasehold::Quota,
+    task_id: &str,
+    slot: &str,
+) -> leasehold::Lease {
+    let give_up = Instant::now() + Duration::from_secs(15);
+    loop {
+        match quota.try_acquire(task_id).await {
+            Ok(lease) => break lease,
+            Err(leasehold::Error::Full { .. }) if Instant::now() < give_up => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("{slot} never came back: {e:?}"),
+        }
+    }
+}
+
 /// A running worker whose stdout lines arrive on a channel.
 struct Worker {
     child: Child,
@@ -462,29 +505,18 @@ fn client_clock_stepped_mid_lease(end: End) {
                 score.expect("the killed holder's lease is stored until it expires");
             let last_renewal = final_deadline - TTL_MS;
             let rt = tokio::runtime::Runtime::new().unwrap();
-            let quota = rt.block_on(async {
-                let backend = leasehold::RedisBackend::connect(&server.url())
-                    .await
-                    .unwrap();
-                leasehold::Quota::builder(quota_name)
-                    .limit(1)
-                    .ttl(Duration::from_millis(TTL_MS as u64))
-                    .backend(backend)
-                    .build()
-                    .unwrap()
-            });
-            let give_up = Instant::now() + Duration::from_secs(15);
-            let next = rt.block_on(async {
-                loop {
-                    match quota.try_acquire("next").await {
-                        Ok(lease) => break lease,
-                        Err(leasehold::Error::Full { .. }) if Instant::now() < give_up => {
-                            tokio::time::sleep(Duration::from_millis(20)).await
-                        }
-                        Err(e) => panic!("the killed holder's slot never came back: {e:?}"),
-                    }
-                }
-            });
+            let quota = own_quota(
+                &rt,
+                &server,
+                quota_name,
+                Duration::from_millis(TTL_MS as u64),
+                |builder| builder,
+            );
+            let next = rt.block_on(acquire_once_freed(
+                &quota,
+                "next",
+                "the killed holder's slot",
+            ));
             let admitted = next
                 .acquired_at()
                 .duration_since(UNIX_EPOCH)
@@ -680,18 +712,13 @@ fn holder_paused_past_the_marker_ttl(events: bool) {
     let stopped_ns = leasehold_testkit::monotonic_ns();
 
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let quota = rt.block_on(async {
-        let backend = leasehold::RedisBackend::connect(&server.url())
-            .await
-            .unwrap();
-        leasehold::Quota::builder(quota_name)
-            .limit(1)
-            .ttl(Duration::from_millis(ttl_ms))
-            .cancel_marker_ttl(Duration::from_millis(marker_ttl_ms))
-            .backend(backend)
-            .build()
-            .unwrap()
-    });
+    let quota = own_quota(
+        &rt,
+        &server,
+        quota_name,
+        Duration::from_millis(ttl_ms),
+        |builder| builder.cancel_marker_ttl(Duration::from_millis(marker_ttl_ms)),
+    );
     let held = rt.block_on(quota.cancel("victim", "f20")).unwrap();
     assert!(
         held,
@@ -700,18 +727,11 @@ fn holder_paused_past_the_marker_ttl(events: bool) {
     assert_eq!(server.command(&["EXISTS", &marker_key]).as_int(), Some(1));
 
     // The slot comes back once the stopped holder's lease expires.
-    let end = Instant::now() + Duration::from_secs(15);
-    let other = rt.block_on(async {
-        loop {
-            match quota.try_acquire("other").await {
-                Ok(lease) => break lease,
-                Err(leasehold::Error::Full { .. }) if Instant::now() < end => {
-                    tokio::time::sleep(Duration::from_millis(20)).await
-                }
-                Err(e) => panic!("the slot of the stopped holder never came back: {e:?}"),
-            }
-        }
-    });
+    let other = rt.block_on(acquire_once_freed(
+        &quota,
+        "other",
+        "the slot of the stopped holder",
+    ));
     let reclaimed_ms = (leasehold_testkit::monotonic_ns() - stopped_ns) / 1_000_000;
     assert!(is_stopped(pid), "reclaimed while the holder was stopped");
 

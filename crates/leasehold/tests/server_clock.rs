@@ -62,6 +62,14 @@ fn score(server: &RedisServer, name: &str, id: &str) -> Option<i64> {
         .map(|s| s.parse().unwrap())
 }
 
+/// A private redis-server on a clock the test can step, in step with ours to start with.
+fn clocked_server() -> (ServerClock, RedisServer) {
+    let clock = ServerClock::new();
+    let server = RedisServer::start_with_env(&clock.env(), &[]);
+    assert!((server_ms(&server) - own_ms()).abs() < 1000);
+    (clock, server)
+}
+
 /// Steps the server's clock to `offset_ms` and proves the step took effect: a test that stepped
 /// nothing would show nothing. Returns the instant of the step.
 fn step(clock: &ServerClock, server: &RedisServer, offset_ms: i64) -> Instant {
@@ -83,9 +91,7 @@ fn step(clock: &ServerClock, server: &RedisServer, offset_ms: i64) -> Instant {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forward_step_expires_every_lease_and_the_overrun_ends_at_the_next_renewal() {
-    let clock = ServerClock::new();
-    let server = RedisServer::start_with_env(&clock.env(), &[]);
-    assert!((server_ms(&server) - own_ms()).abs() < 1000);
+    let (clock, server) = clocked_server();
     let name = "forward";
     let old = quota_on(&server, name).await;
     // The renewal task beats from the quota's creation on, every heartbeat.
@@ -177,9 +183,7 @@ async fn a_forward_step_expires_every_lease_and_the_overrun_ends_at_the_next_ren
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backward_step_over_admits_nobody_and_delays_a_crashed_holders_slot_by_the_step() {
-    let clock = ServerClock::new();
-    let server = RedisServer::start_with_env(&clock.env(), &[]);
-    assert!((server_ms(&server) - own_ms()).abs() < 1000);
+    let (clock, server) = clocked_server();
     let name = "backward";
     let keys = QuotaKeys::new(name).unwrap();
     let quota = quota_on(&server, name).await;

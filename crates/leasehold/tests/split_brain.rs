@@ -7,9 +7,12 @@
 //! overdue: the minority side then admits nobody, and its holders, whose renewals A refuses too,
 //! stop at their local deadlines. Admissions on A between the cut and its first refusal remain.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use leasehold::{Error, Lease, LostReason, Quota, QuotaKeys, RedisBackend, RedisOptions};
+use common::proxied::connect_through;
+use leasehold::{Error, Lease, LostReason, Quota, QuotaKeys};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::{RedisServer, Reply};
 
@@ -23,16 +26,7 @@ const CALL_TIMEOUT: Duration = Duration::from_millis(500);
 const TRY_FOR: Duration = Duration::from_secs(4);
 
 async fn quota_through(proxy: &FaultProxy) -> Quota {
-    let backend = RedisBackend::connect_with(
-        &proxy.url(),
-        RedisOptions {
-            call_timeout: CALL_TIMEOUT,
-            connect_timeout: CALL_TIMEOUT,
-            ..RedisOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let backend = connect_through(proxy, CALL_TIMEOUT).await;
     Quota::builder(QUOTA)
         .limit(LIMIT)
         .ttl(TTL)

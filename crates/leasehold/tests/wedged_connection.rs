@@ -3,10 +3,13 @@
 //! renewing, and the quota's Pub/Sub subscription follows to the new connection. A Redis that is
 //! merely slow (replies inside the call timeout) replaces nothing.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::proxied::connect_through;
 use leasehold::backend::QuotaEvent;
-use leasehold::{Backend, Error, Quota, QuotaKeys, RedisBackend, RedisOptions};
+use leasehold::{Backend, Error, Quota, QuotaKeys};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::RedisServer;
 
@@ -16,19 +19,6 @@ const CALL_TIMEOUT: Duration = Duration::from_millis(300);
 /// Long against the rebuild: a lease renewed just before the wedge has ≈ 5.7 s of local
 /// deadline, the rebuild needs ≈ 1 s, the next heartbeat (2 s) then renews on the new connection.
 const TTL: Duration = Duration::from_secs(6);
-
-async fn connect(proxy: &FaultProxy, call_timeout: Duration) -> RedisBackend {
-    RedisBackend::connect_with(
-        &proxy.url(),
-        RedisOptions {
-            call_timeout,
-            connect_timeout: call_timeout,
-            ..RedisOptions::default()
-        },
-    )
-    .await
-    .unwrap()
-}
 
 /// Receives events until `wanted` matches one, within `within`.
 async fn expect_event(
@@ -52,7 +42,7 @@ async fn expect_event(
 async fn a_wedged_connection_is_replaced_and_leases_admissions_and_events_go_on() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
-    let backend = connect(&proxy, CALL_TIMEOUT).await;
+    let backend = connect_through(&proxy, CALL_TIMEOUT).await;
     let quota = Quota::builder("wedge")
         .limit(2)
         .ttl(TTL)
@@ -140,7 +130,7 @@ async fn a_slow_redis_that_answers_within_the_call_timeout_replaces_nothing() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
     // +300 ms per round trip against a 1.5 s call timeout: slow, never silent.
-    let backend = connect(&proxy, Duration::from_millis(1500)).await;
+    let backend = connect_through(&proxy, Duration::from_millis(1500)).await;
     let quota = Quota::builder("slow")
         .limit(1)
         .ttl(TTL)
@@ -173,7 +163,7 @@ async fn a_slow_redis_that_answers_within_the_call_timeout_replaces_nothing() {
 async fn a_redis_slower_than_the_call_timeout_is_reconnected_to_rarely() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
-    let backend = connect(&proxy, CALL_TIMEOUT).await;
+    let backend = connect_through(&proxy, CALL_TIMEOUT).await;
     let quota = Quota::builder("slower")
         .limit(1)
         .ttl(TTL)

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod proxied;
 pub mod switchable;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
