@@ -4,12 +4,12 @@
 
 mod common;
 
-use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use common::terminal::{InTerminal, Shown};
 use common::*;
 use leasehold_testkit::{temp_dir, RedisServer};
 
@@ -31,6 +31,13 @@ fn wait_state(pid: i32, what: &str, want: impl Fn(Option<char>) -> bool) {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// `/proc/<pid>/stat` after the command name (state, parent, group, session, tty, terminal's
+/// foreground group, ...), for a failure message.
+fn stat_line(pid: i32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat[stat.rfind(')')? + 2..].chars().take(40).collect())
 }
 
 fn signal(pid: i32, sig: i32) {
@@ -71,17 +78,6 @@ fn pid_from(pidfile: &Path) -> i32 {
         assert!(Instant::now() < end, "the command never started");
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-/// `shell_line` started in a fresh terminal (util-linux `script`), its output piped.
-fn terminal(shell_line: &str, stdin: Stdio) -> Child {
-    std::process::Command::new("script")
-        .args(["-qec", shell_line, "/dev/null"])
-        .stdin(stdin)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("util-linux `script`")
 }
 
 fn ticks(dir: &Path) -> usize {
@@ -197,22 +193,19 @@ fn sighup_ignored_by_nohup_stays_ignored() {
     );
 }
 
-/// Runs `leasehold run` in the foreground of a fresh terminal (util-linux `script`), typing
-/// `input` into that terminal.
+/// Runs `leasehold run` as a foreground job of its own in a fresh terminal, typing into that
+/// terminal.
 #[test]
 fn a_command_run_in_the_foreground_reads_the_terminal() {
     let server = RedisServer::start();
-    let line = format!(
-        "{} --redis {} --quota tty run --limit 1 --task-id reader -- sh -c 'read x; echo got:$x'",
-        env!("CARGO_BIN_EXE_leasehold"),
-        server.url()
-    );
-    let mut script = terminal(&line, Stdio::piped());
-    script.stdin.take().unwrap().write_all(b"hello\n").unwrap();
-    let out = wait_output(script, Duration::from_secs(15));
-    let shown = String::from_utf8_lossy(&out.stdout);
-    assert!(shown.contains("got:hello"), "{shown:?} {}", stderr(&out));
-    assert_eq!(out.status.code(), Some(0), "{shown:?}");
+    let mut run = leasehold(&server.url(), "tty");
+    run.args(["run", "--limit", "1", "--task-id", "reader", "--"])
+        .args(["sh", "-c", "read x; echo got:$x"]);
+    let mut terminal = InTerminal::spawn(run);
+    terminal.type_in(b"hello\n");
+    let shown = terminal.wait(Duration::from_secs(15));
+    assert!(shown.text.contains("got:hello"), "{:?}", shown.text);
+    assert_eq!(shown.status.code(), Some(0), "{:?}", shown.text);
 }
 
 #[test]
@@ -257,19 +250,14 @@ fn a_lease_lost_with_redis_gone_ends_the_command_with_one_error_line() {
     assert!(err.contains("local deadline"), "{err}");
 }
 
-/// Runs `shell_line` in a fresh terminal (util-linux `script`), bounded, and returns its output.
-fn in_a_terminal(shell_line: &str) -> std::process::Output {
-    wait_output(terminal(shell_line, Stdio::null()), Duration::from_secs(15))
-}
-
-/// `(process group, terminal's foreground group)` as a command printed them from
+/// `(process group, terminal's foreground group)` as a command showed them from
 /// `/proc/self/stat` (fields 5 and 8).
-fn groups_seen(output: &std::process::Output) -> (i64, i64) {
-    let text = String::from_utf8_lossy(&output.stdout);
-    let line = text
+fn groups_seen(shown: &Shown) -> (i64, i64) {
+    let line = shown
+        .text
         .lines()
         .find(|l| l.contains(") "))
-        .unwrap_or_else(|| panic!("no stat line in {text:?}"));
+        .unwrap_or_else(|| panic!("no stat line in {:?}", shown.text));
     let fields: Vec<i64> = line[line.rfind(')').unwrap() + 2..]
         .split_whitespace()
         .skip(1)
@@ -280,25 +268,35 @@ fn groups_seen(output: &std::process::Output) -> (i64, i64) {
     (fields[1], fields[4])
 }
 
+/// The groups a `leasehold run` command sees when started by `sh -c shell_line` in a terminal,
+/// where `$RUN` is that run.
+fn groups_under_a_shell(server: &RedisServer, shell_line: &str) -> (i64, i64) {
+    let mut shell = std::process::Command::new("sh");
+    shell
+        .args(["-c", shell_line])
+        .env("RUN", env!("CARGO_BIN_EXE_leasehold"))
+        .env("LEASEHOLD_REDIS_URL", server.url())
+        .env("LEASEHOLD_QUOTA", "tpgid");
+    groups_seen(&InTerminal::spawn(shell).wait(Duration::from_secs(15)))
+}
+
 /// A foreground job of its own gets the terminal handed to its command; a stage of a pipeline
-/// does not (the other stages share its group and would lose the terminal).
+/// or a command of a script does not (the others share its group and would lose the terminal).
 #[test]
 fn the_terminal_goes_to_the_command_only_when_the_run_is_alone_in_the_foreground() {
     let server = RedisServer::start();
-    let run = format!(
-        "{} --redis {} --quota tpgid run --limit 2 -- cat /proc/self/stat",
-        env!("CARGO_BIN_EXE_leasehold"),
-        server.url()
-    );
-    let alone = in_a_terminal(&run);
-    let (group, foreground) = groups_seen(&alone);
+    let mut run = leasehold(&server.url(), "tpgid");
+    run.args(["run", "--limit", "2", "--", "cat", "/proc/self/stat"]);
+    let (group, foreground) = groups_seen(&InTerminal::spawn(run).wait(Duration::from_secs(15)));
     assert_eq!(
         group, foreground,
         "a foreground job of its own hands the terminal over"
     );
-    let piped = in_a_terminal(&format!("{run} | cat"));
-    let (group, foreground) = groups_seen(&piped);
+    let stat = "run --limit 2 -- cat /proc/self/stat";
+    let (group, foreground) = groups_under_a_shell(&server, &format!("$RUN {stat} | cat"));
     assert_ne!(group, foreground, "a pipeline stage keeps out");
+    let (group, foreground) = groups_under_a_shell(&server, &format!("$RUN {stat}; true"));
+    assert_ne!(group, foreground, "a command of a script keeps out");
 }
 
 /// `leasehold run` ignores SIGTTOU (a background write with `stty tostop` would stop it, or
@@ -336,35 +334,32 @@ fn a_command_holding_the_terminal_that_stops_itself_stops_the_run() {
     let server = RedisServer::start();
     let dir = temp_dir("leasehold-supervision-selfstop");
     let pidfile = dir.join("pid");
-    let line = format!(
-        "{} --redis {} --quota selfstop run --limit 1 -- sh -c 'echo $$ > {}; kill -STOP $$; echo resumed'",
-        env!("CARGO_BIN_EXE_leasehold"),
-        server.url(),
-        pidfile.display()
-    );
-    let script = terminal(&line, Stdio::null());
+    let mut run = leasehold(&server.url(), "selfstop");
+    run.args(["run", "--limit", "1", "--", "sh", "-c"])
+        .arg(format!(
+            "echo $$ > {}; kill -STOP $$; echo resumed",
+            pidfile.display()
+        ));
+    let mut terminal = InTerminal::spawn(run);
     let command = pid_from(&pidfile);
-    let stat = std::fs::read_to_string(format!("/proc/{command}/stat")).unwrap();
-    let runner: i32 = stat[stat.rfind(')').unwrap() + 2..]
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
+    let runner = terminal.id();
     wait_state(runner, "stopped with its command", |s| s == Some('T'));
-    // `script` stops too when its child stops, as a job-control shell's job would, but it may do
-    // so after the run did: a single SIGCONT could come before its stop and leave it stopped.
-    // `fg` continues them all; here, again and again until the terminal ends (bounded). The
-    // command itself is never continued by the test: the run must do that.
+    assert_eq!(state(command), Some('T'), "the command stopped itself");
+    // The shell's `fg` continues the job's group, the run; never the command itself: continuing
+    // it is the run's job. Again until the run ends (bounded), in case a continue came before
+    // the run's own stop.
     let end = Instant::now() + Duration::from_secs(10);
-    let mut script = script;
-    while script.try_wait().unwrap().is_none() && Instant::now() < end {
-        signal(script.id() as i32, libc::SIGCONT);
+    while !terminal.ended() && Instant::now() < end {
         signal(runner, libc::SIGCONT);
         std::thread::sleep(Duration::from_millis(100));
     }
-    let out = wait_output(script, Duration::from_secs(1));
-    let shown = String::from_utf8_lossy(&out.stdout);
-    assert!(shown.contains("resumed"), "{shown:?}");
+    assert!(
+        terminal.ended(),
+        "the run never ended: run {:?}, command {:?}",
+        stat_line(runner),
+        stat_line(command)
+    );
+    let shown = terminal.wait(Duration::from_secs(1));
+    assert!(shown.text.contains("resumed"), "{:?}", shown.text);
     std::fs::remove_dir_all(dir).unwrap();
 }

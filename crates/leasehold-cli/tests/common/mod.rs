@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use leasehold_testkit::RedisServer;
 
+pub mod terminal;
+
 pub fn leasehold(url: &str, quota: &str) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
     cmd.env("LEASEHOLD_REDIS_URL", url)
