@@ -3,7 +3,8 @@
 //! a holder mid-lease), and a holder paused past its cancel marker's ttl does no work once
 //! resumed.
 //!
-//! The worker is `examples/worker.rs`, which `cargo test` builds beside the test binaries.
+//! The worker is `examples/worker.rs`, built beside the test binaries (by `cargo test`, or by
+//! the first test that needs it).
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
@@ -15,26 +16,30 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use leasehold_testkit::{monotonic_ns, RedisServer, Reply, ServerClock};
 
 fn worker_path() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let path = profile_dir.join("examples").join("worker");
-    if !path.exists() {
-        // `cargo test` builds examples, `cargo test --test processes` does not: build it now.
-        let mut build = Command::new(env!("CARGO"));
-        build.args(["build", "-p", "leasehold", "--example", "worker"]);
-        if profile_dir.ends_with("release") {
-            build.arg("--release");
-        }
-        let status = build
-            .status()
-            .expect("run cargo to build the worker example");
-        assert!(
-            status.success() && path.exists(),
-            "cannot build {}",
-            path.display()
-        );
-    }
-    path
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().unwrap();
+            let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+            let path = profile_dir.join("examples").join("worker");
+            // `cargo test` builds examples, `cargo test --test processes` does not, and an old
+            // binary may be left from an earlier build: cargo rebuilds it only if it is stale.
+            let mut build = Command::new(env!("CARGO"));
+            build.args(["build", "-q", "-p", "leasehold", "--example", "worker"]);
+            if profile_dir.ends_with("release") {
+                build.arg("--release");
+            }
+            let status = build
+                .status()
+                .expect("run cargo to build the worker example");
+            assert!(
+                status.success() && path.exists(),
+                "cannot build {}",
+                path.display()
+            );
+            path
+        })
+        .clone()
 }
 
 /// A quota of limit 1 on `server` for the test itself to acquire in, built on `rt` after
@@ -645,6 +650,140 @@ fn a_client_clock_stepped_mid_lease_changes_nothing_then_release() {
 #[test]
 fn a_client_clock_stepped_mid_lease_changes_nothing_then_sigkill() {
     client_clock_stepped_mid_lease(End::Kill);
+}
+
+/// F13, the strobe (Jepsen's `strobe`): the holder's own wall clock jumps between an hour ahead
+/// and an hour behind, after pseudo-random gaps of 1–100 ms, for four ttl while it holds a lease
+/// (ttl 1 s). Nothing in the lease may notice: no loss, no renewal missed, no deadline moved by
+/// the jumps, and the slot is free the moment it is released. The seed is printed.
+#[test]
+fn a_client_clock_strobed_mid_lease_changes_nothing() {
+    use rand::{Rng, SeedableRng};
+    const TTL_MS: i64 = 1000;
+    const HOUR_MS: i64 = 3_600_000;
+    const STROBE: Duration = Duration::from_secs(4);
+    let clock = ServerClock::new();
+    let server = RedisServer::start();
+    let quota_name = "f13-strobe";
+    let leases_key = format!("leasehold:{{{quota_name}}}:leases");
+    let task = "strobed";
+    let seed = wall_ms() as u64;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut worker = Worker::spawn_with_env(
+        &[],
+        &clock.env(),
+        &args(&[&"tick", &server.url(), &quota_name, &1, &TTL_MS, &task, &20]),
+    );
+    let first = worker.next_line(Duration::from_secs(10));
+    assert!(first.starts_with("acquired"), "{first}");
+    let base_ms = wall_ms() - (monotonic_ns() / 1_000_000) as i64;
+
+    let mut lines: Vec<String> = Vec::new();
+    // (server now, stored deadline), about every 50 ms.
+    let mut samples: Vec<(i64, i64)> = Vec::new();
+    let mut jumps = 0u32;
+    let end = Instant::now() + STROBE;
+    let mut next_sample = Instant::now();
+    while Instant::now() < end {
+        jumps += 1;
+        clock.set_offset_ms(if jumps % 2 == 1 { HOUR_MS } else { -HOUR_MS });
+        std::thread::sleep(Duration::from_millis(rng.random_range(1..=100)));
+        if Instant::now() >= next_sample {
+            next_sample += Duration::from_millis(50);
+            let (now, score) = server_now_and_score(&server, &leases_key, task);
+            lines.extend(worker.lines.try_iter());
+            let score = score.unwrap_or_else(|| panic!("the lease left Redis; {lines:?}"));
+            samples.push((now, score));
+        }
+        assert!(
+            !lines.iter().any(|l| l.starts_with("lost")),
+            "seed {seed}: the worker lost its lease: {lines:?}"
+        );
+    }
+    clock.set_offset_ms(0);
+    lines.extend(worker.lines.try_iter());
+
+    let stdin = worker.child.stdin.as_mut().unwrap();
+    stdin.write_all(b"release\n").unwrap();
+    stdin.flush().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        assert!(Instant::now() < deadline, "no release: {lines:?}");
+        let line = worker.next_line(Duration::from_secs(10));
+        assert!(!line.starts_with("lost"), "seed {seed}: {line}; {lines:?}");
+        let released = line == "released";
+        lines.push(line);
+        if released {
+            break;
+        }
+    }
+    let probe = Worker::spawn(
+        &[],
+        &args(&[&"try", &server.url(), &quota_name, &1, &TTL_MS, &"next"]),
+    );
+    let reply = probe.wait(Duration::from_secs(10));
+    assert!(
+        reply.len() == 1 && reply[0].starts_with("acquired"),
+        "a single try after the release: {reply:?}"
+    );
+    assert_eq!(
+        worker.wait(Duration::from_secs(10)),
+        vec!["done".to_string()]
+    );
+
+    // The worker's view: its clock really jumped both ways, and nothing else moved.
+    let ticks: Vec<Tick> = lines.iter().filter_map(|l| parse_tick(l)).collect();
+    let (mut ahead_seen, mut behind_seen, mut renewals, mut last_deadline) = (0, 0, 0, 0);
+    for tick in &ticks {
+        let true_ms = (tick.mono_ns / 1_000_000) as i64 + base_ms;
+        let skew = tick.wall_ms - true_ms;
+        ahead_seen += usize::from((skew - HOUR_MS).abs() < 1000);
+        behind_seen += usize::from((skew + HOUR_MS).abs() < 1000);
+        assert!(
+            tick.left_ms > 0 && tick.left_ms <= TTL_MS,
+            "seed {seed}: local deadline {} ms ahead (ttl {TTL_MS})",
+            tick.left_ms
+        );
+        let ahead = tick.deadline_ms - true_ms;
+        assert!(
+            (-100..=TTL_MS + 100).contains(&ahead),
+            "seed {seed}: the lease's deadline is {ahead} ms ahead of true time"
+        );
+        assert!(tick.deadline_ms >= last_deadline, "the deadline went back");
+        renewals += usize::from(tick.deadline_ms > last_deadline && last_deadline != 0);
+        last_deadline = tick.deadline_ms;
+    }
+    // Proof the strobe reached the worker: a run that moved nothing fails here.
+    assert!(
+        ahead_seen >= 10 && behind_seen >= 10,
+        "seed {seed}: {ahead_seen} ticks an hour ahead, {behind_seen} an hour behind"
+    );
+    // About three a second for four seconds; a loaded machine may merge a few.
+    assert!(renewals >= 8, "seed {seed}: {renewals} renewals seen");
+    let mut moves = 0;
+    for pair in samples.windows(2) {
+        assert!(pair[1].1 >= pair[0].1, "the stored deadline went back");
+        moves += usize::from(pair[1].1 > pair[0].1);
+    }
+    let margins: Vec<i64> = samples.iter().map(|(now, score)| score - now).collect();
+    assert!(
+        margins.iter().all(|&m| m > 0 && m <= TTL_MS),
+        "seed {seed}: stored deadline ahead of server time by {margins:?}"
+    );
+    assert!(
+        moves >= 8,
+        "seed {seed}: the stored deadline moved {moves} times"
+    );
+    println!(
+        "F13 strobe (seed {seed}): {jumps} jumps of two hours in {STROBE:?}; {} ticks, {ahead_seen} \
+         an hour ahead, {behind_seen} an hour behind; {renewals} renewals seen by the worker; \
+         stored deadline moved {moves} times in {} samples, {}..{} ms ahead of server time; \
+         released, and a single try by another process got the slot",
+        ticks.len(),
+        samples.len(),
+        margins.iter().min().unwrap(),
+        margins.iter().max().unwrap(),
+    );
 }
 
 /// Sends `signal` to `pid` and waits (at most 5 s) until /proc shows it stopped or not.
