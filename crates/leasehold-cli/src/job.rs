@@ -171,33 +171,27 @@ fn alone_in_own_group() -> bool {
     // SAFETY: getpid(2) cannot fail.
     let me = unsafe { libc::getpid() };
     let group = own_group();
-    if group != me {
-        return false;
-    }
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if pid != me && process_group_of(pid) == Some(group) {
-            return false;
-        }
-    }
-    true
+    group == me
+        && !processes().any(|pid| pid != me && state_and_group(pid).map(|s| s.1) == Some(group))
 }
 
-/// The process group of `pid`, from `/proc/<pid>/stat` (fields after the command name: state,
-/// parent, group).
-fn process_group_of(pid: i32) -> Option<i32> {
+/// The pids in `/proc`: every process (of this pid namespace), at the moment each is read.
+fn processes() -> impl Iterator<Item = i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
+}
+
+/// The state letter (`R`, `S`, `T`, `Z`, ...) and process group of `pid`, from
+/// `/proc/<pid>/stat` (the fields after the command name: state, parent, group).
+fn state_and_group(pid: i32) -> Option<(char, i32)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(2)?.parse().ok()
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let group = fields.nth(1)?.parse().ok()?;
+    Some((state, group))
 }
 
 /// Makes `pgrp` the foreground group of the terminal `fd`, from a foreground or background
@@ -281,13 +275,7 @@ pub fn stops_the_job(sig: i32, command_holds_terminal: bool) -> bool {
 
 /// True if `pid` is stopped now (state `T`).
 pub fn is_stopped(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            let rest = stat[stat.rfind(')')? + 1..].trim_start().to_owned();
-            rest.chars().next()
-        })
-        .is_some_and(|state| state == 'T')
+    state_and_group(pid).is_some_and(|(state, _)| state == 'T')
 }
 
 /// Ends this process by `sig`, as its command was ended, so a shell or a script sees what it
@@ -319,10 +307,16 @@ pub fn signal_group(pgid: i32, sig: i32) {
     }
 }
 
-/// True while any process is left in the process group `pgid`.
+/// True while a process of the group `pgid` still runs. A zombie does not count: it has ended,
+/// and where its parent never reaps it (an init that does not reap, as in many containers) it
+/// would otherwise hold the slot for the whole grace period.
 pub fn group_alive(pgid: i32) -> bool {
     // SAFETY: kill(2) with signal 0 only checks that the group exists.
-    unsafe { libc::kill(-pgid, 0) == 0 }
+    let exists = unsafe { libc::kill(-pgid, 0) == 0 };
+    exists
+        && processes().any(|pid| {
+            state_and_group(pid).is_some_and(|(state, group)| group == pgid && state != 'Z')
+        })
 }
 
 /// This process's group.
