@@ -23,6 +23,7 @@ conformance!(
     holder_learns_from_renewal_when_its_lease_vanished,
     dataset_loss_quarantines_admissions_while_holders_re_register,
     leases_of_two_handles_beating_out_of_phase_both_re_register_after_a_dataset_loss,
+    forgotten_leases_re_register_only_up_to_the_stored_limit,
     each_renewal_sends_the_epoch_its_own_leases_were_confirmed_in,
     acquire_is_idempotent_under_retry_even_at_full_capacity,
     stale_token_cannot_renew_or_release_the_successor,
@@ -310,6 +311,49 @@ async fn each_renewal_sends_the_epoch_its_own_leases_were_confirmed_in(fx: Fixtu
         ),
         "both re-registered leases count"
     );
+}
+
+/// After a dataset loss, forgotten leases re-register only while the quota has room under the
+/// stored limit: leases admitted before anyone noticed the loss keep their slots, and a holder
+/// that finds no room hears that its lease is gone.
+async fn forgotten_leases_re_register_only_up_to_the_stored_limit(fx: Fixture) {
+    let keys = fx.keys();
+    let mut held = Vec::new();
+    for id in ["a", "b"] {
+        match fx.backend.acquire(&keys, id, TTL, 2).await.unwrap() {
+            AcquireReply::Acquired(record) => held.push(record),
+            other => panic!("{id} is admitted: {other:?}"),
+        }
+    }
+    fx.wipe();
+    // One slot only, stored before any old holder reports back (as a client blind to the loss
+    // would have filled the other).
+    let stored = fx.backend.set_limit(&keys, 1, None).await.unwrap();
+    assert!(matches!(stored, LimitUpdate::Stored(_)), "{stored:?}");
+    let mut outcomes = Vec::new();
+    for record in &held {
+        let reply = fx
+            .backend
+            .renew(
+                &keys,
+                TTL,
+                &record.epoch,
+                &[(record.task_id.clone(), record.token)],
+            )
+            .await
+            .unwrap();
+        outcomes.extend(reply.outcomes);
+    }
+    assert!(
+        matches!(
+            outcomes[..],
+            [RenewOutcome::Renewed { .. }, RenewOutcome::Gone]
+        ),
+        "{outcomes:?}"
+    );
+    let holders = fx.backend.snapshot(&keys).await.unwrap().holders;
+    assert_eq!(holders.len(), 1);
+    assert_eq!(holders[0].task_id, "a");
 }
 
 async fn acquire_is_idempotent_under_retry_even_at_full_capacity(fx: Fixture) {

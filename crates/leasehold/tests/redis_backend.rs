@@ -403,6 +403,7 @@ const LEASEHOLD_ACL: &[&str] = &[
     "+exists",
     "+hset",
     "+hsetnx",
+    "+hincrby",
     "+hdel",
     "+zadd",
     "+zrem",
@@ -636,8 +637,8 @@ fn eval_acquire(
     );
     let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
     args.extend(keys.iter().map(String::as_str));
-    // No epoch; limit version 0.
-    args.extend([ttl.as_str(), limit.as_str(), "", "0"]);
+    // No epoch (so no seq seen in it); limit version 0.
+    args.extend([ttl.as_str(), limit.as_str(), "", "0", "0"]);
     args.extend(ids);
     server.command(&args)
 }
@@ -669,7 +670,7 @@ fn one_script_call_for_many_tasks_answers_like_calls_in_a_row() {
     let leasehold_testkit::Reply::Array(items) = &reply else {
         panic!("{reply:?}")
     };
-    let answers = ints(&reply)[2..].to_vec();
+    let answers = ints(&reply)[3..].to_vec();
     let now = items[1].as_int().unwrap();
     let answer = |i: usize| &answers[4 * i..4 * i + 4];
     assert_eq!(answer(0)[..3], [1, 1, now], "a is admitted with token 1");
@@ -711,8 +712,8 @@ fn one_script_call_for_many_tasks_answers_like_calls_in_a_row() {
     // Nobody waits any more: a release by token is silent, a forced one is still announced.
     server.command(&["DEL", &waiting]);
     let tokens = ints(&acquire(&["d", "e"]));
-    assert_eq!((tokens[2], tokens[6]), (1, 1), "both admitted");
-    let d = tokens[3].to_string();
+    assert_eq!((tokens[3], tokens[7]), (1, 1), "both admitted");
+    let d = tokens[4].to_string();
     let before = published();
     assert_eq!(release(&["d", &d]), [1]);
     assert_eq!(published() - before, 0, "nobody waits: nothing to announce");
@@ -783,7 +784,7 @@ fn batched_refusals_give_true_expiry_hints_and_never_shorten_the_waiting_marker(
         }
         other => panic!("{other:?}"),
     };
-    let ints_of = |reply: &leasehold_testkit::Reply| ints(reply)[2..].to_vec();
+    let ints_of = |reply: &leasehold_testkit::Reply| ints(reply)[3..].to_vec();
 
     // Limit 2: `old` expires in 1 s, `young` in 9 s. Extending `old` in the same call must move
     // the hint given to `x` to young's deadline, as two calls in a row would.
@@ -1212,4 +1213,74 @@ async fn the_limit_key_is_a_hash_without_ttl_that_only_a_higher_version_changes(
         Some("7"),
         "a lower version wrote nothing"
     );
+}
+
+/// The epoch's `seq` tells a store that went back (an older copy restored, a lagging replica
+/// promoted) from one that did not: two clients interleaving hundreds of calls never trip it,
+/// and a `seq` set back below what a client saw is a loss, quarantined like any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_went_back_is_a_loss_and_busy_clients_are_no_false_alarm() {
+    let server = RedisServer::start();
+    let quota_of = |backend: RedisBackend| {
+        Quota::builder("seq")
+            .limit(2)
+            .ttl(Duration::from_secs(2))
+            .heartbeat(Duration::from_millis(50))
+            .backend(backend)
+            .build()
+            .unwrap()
+    };
+    let one = quota_of(RedisBackend::connect(&server.url()).await.unwrap());
+    let two = quota_of(RedisBackend::connect(&server.url()).await.unwrap());
+    let epoch = || {
+        server
+            .command(&["HGET", "leasehold:{seq}:epoch", "id"])
+            .as_string()
+    };
+    // Each client holds a lease (renewed every 50 ms) and cycles another task meanwhile.
+    let _held = [
+        one.try_acquire("held-1").await.unwrap(),
+        two.try_acquire("held-2").await.unwrap(),
+    ];
+    let before = epoch().expect("an epoch");
+    let cycle = |quota: Quota, name: &'static str| async move {
+        for i in 0..150 {
+            match quota.try_acquire(&format!("{name}-{i}")).await {
+                Ok(lease) => lease.release().await.unwrap(),
+                Err(Error::Full { .. }) => {}
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+    };
+    tokio::join!(cycle(one.clone(), "one"), cycle(two.clone(), "two"));
+    let seq: u64 = server
+        .command(&["HGET", "leasehold:{seq}:epoch", "seq"])
+        .as_string()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(epoch().as_ref(), Some(&before), "no false alarm");
+    assert!(seq >= 300, "{seq} calls counted");
+    assert_eq!(
+        server
+            .command(&["EXISTS", "leasehold:{seq}:quarantine"])
+            .as_int(),
+        Some(0)
+    );
+
+    // The store goes back: the calls both clients saw are gone.
+    server.command(&["HSET", "leasehold:{seq}:epoch", "seq", "1"]);
+    assert!(
+        matches!(one.try_acquire("after").await, Err(Error::Full { .. })),
+        "quarantined"
+    );
+    assert_ne!(epoch(), Some(before), "a new epoch");
+    assert!(
+        server
+            .command(&["PTTL", "leasehold:{seq}:quarantine"])
+            .as_int()
+            .unwrap()
+            > 0
+    );
+    println!("{seq} calls of two clients without a false alarm; a seq set back to 1 detected");
 }

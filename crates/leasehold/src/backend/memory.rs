@@ -240,8 +240,10 @@ impl Backend for MemoryBackend {
                 .iter()
                 .map(|(id, token)| {
                     let cancelled = q.cancel_reason(id, now);
-                    if reregister && !q.leases.contains_key(id) {
-                        // Forgotten by the loss, not expired: the holder re-registers.
+                    let room = q.limit.is_none_or(|l| q.leases.len() < l.limit as usize);
+                    if reregister && room && !q.leases.contains_key(id) {
+                        // Forgotten by the loss, not expired: the holder re-registers, up to
+                        // the limit (leases admitted before the loss was seen keep theirs).
                         q.fence = q.fence.max(*token);
                         let s = Stored {
                             token: *token,

@@ -86,10 +86,10 @@ struct Inner {
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
     /// Held by the subscribe in progress, and by a rebuild while it resubscribes.
     subscribing: tokio::sync::Mutex<()>,
-    /// Quota name -> the latest epoch any reply reported: what acquire sends, so the server can
-    /// tell that it lost the quota's state (protocol, "Dataset loss"). Renewals send their
-    /// leases' own epoch instead.
-    epochs: Mutex<HashMap<String, String>>,
+    /// Quota name -> the latest epoch any reply reported, and the highest seq seen in it: what
+    /// acquire sends, so the server can tell that it lost the quota's state, all of it or its
+    /// latest writes (protocol, "Dataset loss"). Renewals send their leases' own epoch instead.
+    epochs: Mutex<HashMap<String, SeenEpoch>>,
     /// Admission attempts that share script calls: per quota, then per (ttl in ms, limit and
     /// limit version).
     acquires: Mutex<HashMap<String, AcquireQueues>>,
@@ -569,27 +569,49 @@ fn lease_record(
     })
 }
 
+/// The latest epoch of a quota a reply reported, and the highest `seq` (the count of acquire and
+/// renew calls the server had run in that epoch) any reply reported in it.
+#[derive(Debug, Clone, Default)]
+struct SeenEpoch {
+    id: String,
+    seq: u64,
+}
+
 impl RedisBackend {
-    /// The latest epoch of `quota` any reply reported, or `''`.
-    fn seen_epoch(&self, quota: &str) -> String {
+    /// The latest epoch of `quota` any reply reported (`''` before any), with its seq.
+    fn seen_epoch(&self, quota: &str) -> SeenEpoch {
         let epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
         epochs.get(quota).cloned().unwrap_or_default()
     }
 
-    /// Records the epoch a reply reported, and returns it.
-    fn saw_epoch(&self, quota: &str, epoch: Option<&Value>) -> Result<String> {
+    /// The highest seq seen in the epoch `epoch` of `quota`, 0 if that is not the latest.
+    fn seen_seq(&self, quota: &str, epoch: &str) -> u64 {
+        let seen = self.seen_epoch(quota);
+        if seen.id == epoch {
+            seen.seq
+        } else {
+            0
+        }
+    }
+
+    /// Records the epoch and seq a reply reported, and returns the epoch.
+    fn saw_epoch(&self, quota: &str, epoch: Option<&Value>, seq: Option<&Value>) -> Result<String> {
         let epoch = text(epoch)?;
+        let seq = int(seq)?;
         let mut epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
         let known = epochs.entry(quota.to_owned()).or_default();
-        if *known != epoch {
-            if !known.is_empty() {
+        if known.id != epoch {
+            if !known.id.is_empty() {
                 tracing::warn!(
                     quota,
                     epoch,
-                    "the quota's state was lost and recreated (new epoch)"
+                    "the quota's state was lost, all or in part (new epoch)"
                 );
             }
-            known.clone_from(&epoch);
+            known.id.clone_from(&epoch);
+            known.seq = seq;
+        } else {
+            known.seq = known.seq.max(seq);
         }
         Ok(epoch)
     }
@@ -602,9 +624,10 @@ impl RedisBackend {
         epoch: &str,
         leases: &[(String, u64)],
     ) -> Result<RenewReply> {
-        let mut args = Vec::with_capacity(2 + 2 * leases.len());
+        let mut args = Vec::with_capacity(3 + 2 * leases.len());
         args.push(ttl.as_millis().to_string());
         args.push(epoch.to_owned());
+        args.push(self.seen_seq(&keys.name, epoch).to_string());
         for (id, token) in leases {
             args.push(id.clone());
             args.push(token.to_string());
@@ -615,12 +638,13 @@ impl RedisBackend {
             keys.fence.clone(),
             keys.epoch.clone(),
             keys.quarantine.clone(),
+            keys.limit.clone(),
         ];
         renew_keys.extend(leases.iter().map(|(id, _)| keys.cancel(id)));
         let reply = self
             .invoke(keys.name.clone(), &RENEW, renew_keys, args)
             .await?;
-        if reply.len() != 2 + 2 * leases.len() {
+        if reply.len() != 3 + 2 * leases.len() {
             return Err(Misconfiguration::Protocol(format!(
                 "renew replied {} values for {} leases",
                 reply.len(),
@@ -628,7 +652,7 @@ impl RedisBackend {
             ))
             .into());
         }
-        let outcomes = reply[2..]
+        let outcomes = reply[3..]
             .chunks(2)
             .map(|pair| match int(pair.first())? {
                 1 => Ok(RenewOutcome::Renewed {
@@ -641,7 +665,7 @@ impl RedisBackend {
                 _ => Ok(RenewOutcome::Gone),
             })
             .collect::<Result<Vec<_>>>()?;
-        let epoch = self.saw_epoch(&keys.name, reply.get(1))?;
+        let epoch = self.saw_epoch(&keys.name, reply.get(1), reply.get(2))?;
         Ok(RenewReply { epoch, outcomes })
     }
 }
@@ -666,18 +690,20 @@ impl RedisBackend {
             keys.limit.clone(),
         ]);
         script_keys.extend(ids.iter().map(|id| keys.cancel(id)));
-        let mut args = Vec::with_capacity(4 + ids.len());
+        let seen = self.seen_epoch(&keys.name);
+        let mut args = Vec::with_capacity(5 + ids.len());
         args.extend([
             ttl.as_millis().to_string(),
             limit.limit.to_string(),
-            self.seen_epoch(&keys.name),
+            seen.id,
             limit.version.to_string(),
+            seen.seq.to_string(),
         ]);
         args.extend(ids.iter().cloned());
         let reply = self
             .invoke(keys.name.clone(), &ACQUIRE, script_keys, args)
             .await?;
-        if reply.len() != 2 + 4 * ids.len() {
+        if reply.len() != 3 + 4 * ids.len() {
             return Err(Misconfiguration::Protocol(format!(
                 "acquire replied {} values for {} task ids",
                 reply.len(),
@@ -686,10 +712,10 @@ impl RedisBackend {
             .into());
         }
         let now_ms = int(reply.get(1))?;
-        let epoch = self.saw_epoch(&keys.name, reply.first())?;
+        let epoch = self.saw_epoch(&keys.name, reply.first(), reply.get(2))?;
         let answers = ids
             .into_iter()
-            .zip(reply[2..].chunks(4))
+            .zip(reply[3..].chunks(4))
             .map(|(id, answer)| match int(answer.first())? {
                 1 => Ok(AcquireReply::Acquired(lease_record(
                     id, answer, now_ms, &epoch,

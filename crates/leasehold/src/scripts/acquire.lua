@@ -1,11 +1,12 @@
 -- leasehold protocol v1: acquire, for one or more task ids in order
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
--- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
+-- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, seq, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
 -- KEYS[6] waiting (STRING, with a TTL: someone was refused lately)   KEYS[7] limit (HASH limit, version)
 -- KEYS[7+k] the cancel marker of the k-th task id
 -- ARGV[1] ttl ms   ARGV[2] limit   ARGV[3] the epoch the caller last saw, or ''   ARGV[4] limit version
--- ARGV[4+k] the k-th task id (at least one, at most 1000)
--- Reply: {epoch, now_ms, then four values per task id, in argument order}:
+-- ARGV[5] the highest seq the caller saw in that epoch, or 0
+-- ARGV[5+k] the k-th task id (at least one, at most 1000)
+-- Reply: {epoch, now_ms, seq, then four values per task id, in argument order}:
 --   1, token, acquired_ms, deadline_ms   acquired (a new admission)
 --   2, token, acquired_ms, deadline_ms   held (this id already held a lease; extended)
 --   0, earliest_deadline_ms, 0, 0        full
@@ -21,17 +22,25 @@ local limit = tonumber(ARGV[2])
 local version = tonumber(ARGV[4])
 
 -- Dataset loss: a caller that saw another epoch (or one that vanished) proves the quota's state
--- was lost while leases may still run. Admissions pause for one ttl, once per epoch.
+-- was lost while leases may still run. Admissions pause for one ttl, once per epoch. A caller that
+-- saw this epoch at a higher seq than stored proves a partial loss (a failover to a lagging
+-- replica, an older copy restored): a new epoch makes it a loss like any other.
 -- The epoch check is the same in renew.lua: a script cannot call another, so keep both in step.
-local epoch = redis.call('HGET', KEYS[4], 'id')
+local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
+local epoch = mark[1]
 local stale = ARGV[3] ~= '' and ARGV[3] ~= epoch
+if epoch and not stale and ARGV[3] ~= '' and tonumber(ARGV[5]) > (tonumber(mark[2]) or 0) then
+  epoch, stale = nil, true
+  redis.call('HDEL', KEYS[4], 'detected_ms')
+end
 if not epoch then
   epoch = t[1] .. '.' .. t[2]
-  redis.call('HSET', KEYS[4], 'id', epoch)
+  redis.call('HSET', KEYS[4], 'id', epoch, 'seq', 0)
 end
 if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
   redis.call('SET', KEYS[5], epoch, 'PX', ttl)
 end
+local seq = redis.call('HINCRBY', KEYS[4], 'seq', 1)
 
 -- Reap expired leases and their metadata; no janitor runs anywhere else.
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -57,8 +66,8 @@ else
   limit = stored_limit
 end
 
-local n = #ARGV - 4
-local ids = {unpack(ARGV, 5, 4 + n)}
+local n = #ARGV - 5
+local ids = {unpack(ARGV, 6, 5 + n)}
 local markers = redis.call('MGET', unpack(KEYS, 8, 7 + n))
 local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
 local metas = {}
@@ -77,7 +86,7 @@ local refused
 local admitted, admitted_meta = {}, {}
 local answered = {}
 
-local out = {epoch, now}
+local out = {epoch, now, seq}
 for k = 1, n do
   local id = ids[k]
   local code, a, b, c = 0, 0, 0, 0

@@ -1,38 +1,52 @@
 -- leasehold protocol v1: renew (heartbeat) many leases in one call
 -- KEYS[1] leases   KEYS[2] holders   KEYS[3] fence   KEYS[4] epoch   KEYS[5] quarantine
--- KEYS[5+k] cancel marker of the k-th task id
--- ARGV[1] ttl ms   ARGV[2] the epoch the caller last saw, or ''
--- then pairs: ARGV[2k+1] task id, ARGV[2k+2] fencing token
--- Reply: {now_ms, epoch, code_1, value_1, code_2, value_2, ...} in argument order, where
+-- KEYS[6] limit   KEYS[6+k] cancel marker of the k-th task id
+-- ARGV[1] ttl ms   ARGV[2] the epoch the renewed leases were last confirmed in, or ''
+-- ARGV[3] the highest seq the caller saw in that epoch, or 0
+-- then pairs: ARGV[2k+2] task id, ARGV[2k+3] fencing token
+-- Reply: {now_ms, epoch, seq, code_1, value_1, code_2, value_2, ...} in argument order, where
 --   code 1 = renewed (value = new deadline), 0 = gone, 2 = superseded (another token holds it),
 --   3 = cancelled (value = the reason; the lease is still held but not extended).
 -- A lease that no longer exists is never re-created: that would over-admit. The one exception is
 -- a caller from before a dataset loss, during the quarantine that loss started: its leases were
--- forgotten, not expired, and re-registering them is how the quota learns who still runs.
+-- forgotten, not expired, and re-registering them is how the quota learns who still runs. Even
+-- then only up to the stored limit: leases admitted before the loss was detected keep theirs.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 
 -- The epoch check is the same in acquire.lua: a script cannot call another, so keep both in step.
-local epoch = redis.call('HGET', KEYS[4], 'id')
+local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
+local epoch = mark[1]
 local stale = ARGV[2] ~= '' and ARGV[2] ~= epoch
+if epoch and not stale and ARGV[2] ~= '' and tonumber(ARGV[3]) > (tonumber(mark[2]) or 0) then
+  epoch, stale = nil, true
+  redis.call('HDEL', KEYS[4], 'detected_ms')
+end
 if not epoch then
   epoch = t[1] .. '.' .. t[2]
-  redis.call('HSET', KEYS[4], 'id', epoch)
+  redis.call('HSET', KEYS[4], 'id', epoch, 'seq', 0)
 end
 if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
   redis.call('SET', KEYS[5], epoch, 'PX', ttl)
 end
+local seq = redis.call('HINCRBY', KEYS[4], 'seq', 1)
 local reregister = stale and redis.call('PTTL', KEYS[5]) > 0
+-- Slots left for re-registered leases: nil while no limit is stored (it was lost too).
+local room
+if reregister then
+  local limit = tonumber(redis.call('HGET', KEYS[6], 'limit'))
+  room = limit and limit - redis.call('ZCARD', KEYS[1])
+end
 
-local out = {now, epoch}
+local out = {now, epoch, seq}
 local k = 0
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   k = k + 1
   local id, token = ARGV[i], ARGV[i + 1]
   local score = redis.call('ZSCORE', KEYS[1], id)
   local meta = redis.call('HGET', KEYS[2], id)
-  local cancelled = redis.call('GET', KEYS[5 + k])
+  local cancelled = redis.call('GET', KEYS[6 + k])
   local code, value = 0, 0
   if score and tonumber(score) <= now then
     -- Expired but not reaped yet: reap it now so it cannot be mistaken for a holder.
@@ -49,7 +63,8 @@ for i = 3, #ARGV, 2 do
       redis.call('ZADD', KEYS[1], 'XX', value, id)
       code = 1
     end
-  elseif reregister and not score and not meta then
+  elseif reregister and not score and not meta and (not room or room > 0) then
+    if room then room = room - 1 end
     value = now + ttl
     redis.call('ZADD', KEYS[1], value, id)
     redis.call('HSET', KEYS[2], id, token .. ':' .. string.format('%d', now))
