@@ -410,6 +410,7 @@ const LEASEHOLD_ACL: &[&str] = &[
     "+zscore",
     "+zmscore",
     "+zcard",
+    "+zcount",
     "+zrange",
     "+zrangebyscore",
     "+zremrangebyscore",

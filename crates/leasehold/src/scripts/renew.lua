@@ -36,7 +36,7 @@ local reregister = stale and redis.call('PTTL', KEYS[5]) > 0
 local room
 if reregister then
   local limit = tonumber(redis.call('HGET', KEYS[6], 'limit'))
-  room = limit and limit - redis.call('ZCARD', KEYS[1])
+  room = limit and limit - redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
 end
 
 local out = {now, epoch, seq}
