@@ -35,8 +35,9 @@ pub struct QuotaKeys {
     pub limit: String,
     /// Pub/Sub channel for release and cancel events.
     pub events: String,
-    /// HASH: `id` = the current epoch (changes when the quota's state was lost), `detected_ms` =
-    /// when a loss of that epoch's predecessor was detected.
+    /// HASH: `id` = the current epoch (changes when the quota's state was lost, all of it or its
+    /// latest writes), `seq` = how many calls changed a lease in this epoch, `detected_ms` = when
+    /// a loss of that epoch's predecessor was detected.
     pub epoch: String,
     /// STRING with a TTL: while it exists, new admissions wait (dataset-loss quarantine).
     pub quarantine: String,

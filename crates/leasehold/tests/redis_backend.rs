@@ -1224,7 +1224,7 @@ async fn a_store_that_went_back_is_a_loss_and_busy_clients_are_no_false_alarm() 
     let server = RedisServer::start();
     let quota_of = |backend: RedisBackend| {
         Quota::builder("seq")
-            .limit(2)
+            .limit(4)
             .ttl(Duration::from_secs(2))
             .heartbeat(Duration::from_millis(50))
             .backend(backend)
@@ -1261,7 +1261,7 @@ async fn a_store_that_went_back_is_a_loss_and_busy_clients_are_no_false_alarm() 
         .parse()
         .unwrap();
     assert_eq!(epoch().as_ref(), Some(&before), "no false alarm");
-    assert!(seq >= 300, "{seq} calls counted");
+    assert!(seq >= 300, "{seq} admissions and renewals counted");
     assert_eq!(
         server
             .command(&["EXISTS", "leasehold:{seq}:quarantine"])
@@ -1283,5 +1283,44 @@ async fn a_store_that_went_back_is_a_loss_and_busy_clients_are_no_false_alarm() 
             .unwrap()
             > 0
     );
-    println!("{seq} calls of two clients without a false alarm; a seq set back to 1 detected");
+    println!(
+        "{seq} admissions and renewals of two clients without a false alarm; a seq set back to 1 \
+         detected"
+    );
+}
+
+/// Only calls that change a lease count in the epoch's `seq`: a store that lost nothing but
+/// refusals (say, a failover while waiters polled a full quota) has lost nothing to detect.
+#[tokio::test]
+async fn refusals_change_no_lease_and_do_not_count_in_seq() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    // Renewals far apart: none lands during the refusals.
+    let quota = Quota::builder("refusals")
+        .limit(1)
+        .ttl(Duration::from_secs(30))
+        .heartbeat(Duration::from_secs(10))
+        .backend(backend)
+        .build()
+        .unwrap();
+    let seq = || {
+        server
+            .command(&["HGET", "leasehold:{refusals}:epoch", "seq"])
+            .as_string()
+    };
+    let held = quota.try_acquire("held").await.unwrap();
+    let after_admission = seq();
+    assert_eq!(after_admission.as_deref(), Some("1"));
+    for i in 0..5 {
+        assert!(matches!(
+            quota.try_acquire(&format!("refused-{i}")).await,
+            Err(Error::Full { .. })
+        ));
+    }
+    assert_eq!(seq(), after_admission, "refusals counted");
+    // A retried acquire of the held task extends it: that counts.
+    let again = quota.try_acquire("held").await.unwrap();
+    assert_eq!(seq().as_deref(), Some("2"));
+    drop(again);
+    held.release().await.unwrap();
 }

@@ -240,9 +240,11 @@ impl Backend for MemoryBackend {
                 .iter()
                 .map(|(id, token)| {
                     let cancelled = q.cancel_reason(id, now);
-                    let live = q.leases.values().filter(|s| s.deadline_ms > now).count();
-                    let room = q.limit.is_none_or(|l| live < l.limit as usize);
-                    if reregister && room && !q.leases.contains_key(id) {
+                    let room = || {
+                        let live = q.leases.values().filter(|s| s.deadline_ms > now).count();
+                        q.limit.is_none_or(|l| live < l.limit as usize)
+                    };
+                    if reregister && !q.leases.contains_key(id) && room() {
                         // Forgotten by the loss, not expired: the holder re-registers, up to
                         // the limit (leases admitted before the loss was seen keep theirs).
                         q.fence = q.fence.max(*token);

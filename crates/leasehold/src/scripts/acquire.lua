@@ -24,7 +24,8 @@ local version = tonumber(ARGV[4])
 -- Dataset loss: a caller that saw another epoch (or one that vanished) proves the quota's state
 -- was lost while leases may still run. Admissions pause for one ttl, once per epoch. A caller that
 -- saw this epoch at a higher seq than stored proves a partial loss (a failover to a lagging
--- replica, an older copy restored): a new epoch makes it a loss like any other.
+-- replica, an older copy restored): a new epoch makes it a loss like any other. `seq` counts
+-- the calls that changed a lease, so that losing only refusals quarantines nobody.
 -- The epoch check is the same in renew.lua: a script cannot call another, so keep both in step.
 local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
 local epoch = mark[1]
@@ -36,11 +37,12 @@ end
 if not epoch then
   epoch = t[1] .. '.' .. t[2]
   redis.call('HSET', KEYS[4], 'id', epoch, 'seq', 0)
+  mark[2] = 0
 end
 if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
   redis.call('SET', KEYS[5], epoch, 'PX', ttl)
 end
-local seq = redis.call('HINCRBY', KEYS[4], 'seq', 1)
+local extended = false
 
 -- Reap expired leases and their metadata; no janitor runs anywhere else.
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -86,7 +88,7 @@ local refused
 local admitted, admitted_meta = {}, {}
 local answered = {}
 
-local out = {epoch, now, seq}
+local out = {epoch, now, tonumber(mark[2]) or 0}
 for k = 1, n do
   local id = ids[k]
   local code, a, b, c = 0, 0, 0, 0
@@ -101,6 +103,7 @@ for k = 1, n do
   elseif scores[k] and metas[k] then
     local deadline = math.max(tonumber(scores[k]), now + ttl)
     redis.call('ZADD', KEYS[1], 'XX', deadline, id)
+    extended = true
     -- The extended lease may have been the earliest: read the hint again when needed.
     earliest = nil
     local sep = string.find(metas[k], ':', 1, true)
@@ -166,5 +169,8 @@ if #admitted > 0 then
   redis.call('SET', KEYS[3], string.format('%d', fence))
   redis.call('ZADD', KEYS[1], unpack(admitted))
   redis.call('HSET', KEYS[2], unpack(admitted_meta))
+end
+if extended or #admitted > 0 then
+  out[3] = redis.call('HINCRBY', KEYS[4], 'seq', 1)
 end
 return out

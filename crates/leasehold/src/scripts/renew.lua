@@ -26,11 +26,11 @@ end
 if not epoch then
   epoch = t[1] .. '.' .. t[2]
   redis.call('HSET', KEYS[4], 'id', epoch, 'seq', 0)
+  mark[2] = 0
 end
 if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
   redis.call('SET', KEYS[5], epoch, 'PX', ttl)
 end
-local seq = redis.call('HINCRBY', KEYS[4], 'seq', 1)
 local reregister = stale and redis.call('PTTL', KEYS[5]) > 0
 -- Slots left for re-registered leases: nil while no limit is stored (it was lost too).
 local room
@@ -39,7 +39,8 @@ if reregister then
   room = limit and limit - redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
 end
 
-local out = {now, epoch, seq}
+local out = {now, epoch, tonumber(mark[2]) or 0}
+local changed = false
 local k = 0
 for i = 4, #ARGV, 2 do
   k = k + 1
@@ -62,6 +63,7 @@ for i = 4, #ARGV, 2 do
       value = math.max(tonumber(score), now + ttl)
       redis.call('ZADD', KEYS[1], 'XX', value, id)
       code = 1
+      changed = true
     end
   elseif reregister and not score and not meta and (not room or room > 0) then
     if room then room = room - 1 end
@@ -73,11 +75,15 @@ for i = 4, #ARGV, 2 do
       redis.call('SET', KEYS[3], token)
     end
     code = 1
+    changed = true
     if cancelled then
       code, value = 3, cancelled
     end
   end
   out[#out + 1] = code
   out[#out + 1] = value
+end
+if changed then
+  out[3] = redis.call('HINCRBY', KEYS[4], 'seq', 1)
 end
 return out
