@@ -1324,3 +1324,65 @@ async fn refusals_change_no_lease_and_do_not_count_in_seq() {
     drop(again);
     held.release().await.unwrap();
 }
+
+/// A copy from before an earlier loss comes back (its epoch is older, and its own loss was
+/// already detected): a client of the newer epoch proves the store went back, and the loss is
+/// quarantined like any other instead of passing for a stale caller of an old loss.
+#[tokio::test]
+async fn a_copy_of_an_earlier_epoch_coming_back_is_detected() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let quota = Quota::builder("older")
+        .limit(2)
+        .ttl(Duration::from_secs(20))
+        .heartbeat(Duration::from_secs(10))
+        .backend(backend)
+        .build()
+        .unwrap();
+    let key = |suffix: &str| format!("leasehold:{{older}}:{suffix}");
+    let field = |name: &str| server.command(&["HGET", &key("epoch"), name]).as_string();
+    let first = quota.try_acquire("a").await.unwrap();
+    let older = field("id").expect("an epoch");
+    // An earlier loss of that epoch was detected (as in most epochs but the first).
+    server.command(&["HSET", &key("epoch"), "detected_ms", "1"]);
+    // The store loses its latest call: the client's next call starts a newer epoch.
+    server.command(&["HSET", &key("epoch"), "seq", "0"]);
+    assert!(matches!(
+        quota.try_acquire("b").await,
+        Err(Error::Full { .. })
+    ));
+    let newer = field("id").expect("an epoch");
+    assert_ne!(newer, older);
+    // Out of the quarantine, the client learns the newer epoch from an admission.
+    server.command(&["DEL", &key("quarantine")]);
+    let second = quota.try_acquire("b").await.unwrap();
+    assert_eq!(field("id").as_ref(), Some(&newer));
+
+    // The copy of the older epoch comes back.
+    server.command(&["FLUSHALL"]);
+    server.command(&[
+        "HSET",
+        &key("epoch"),
+        "id",
+        &older,
+        "seq",
+        "1",
+        "detected_ms",
+        "1",
+    ]);
+    assert!(
+        matches!(quota.try_acquire("c").await, Err(Error::Full { .. })),
+        "quarantined"
+    );
+    let after = field("id").expect("an epoch");
+    assert!(after != older && after != newer, "a new epoch: {after}");
+    assert!(
+        server
+            .command(&["PTTL", &key("quarantine")])
+            .as_int()
+            .unwrap()
+            > 0
+    );
+    println!("epochs {older} -> {newer}; a copy of {older} came back; new epoch {after}");
+    drop((first, second));
+}

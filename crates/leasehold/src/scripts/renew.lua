@@ -16,15 +16,41 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 
 -- The epoch check is the same in acquire.lua: a script cannot call another, so keep both in step.
+-- `<seconds>.<microseconds>` of an epoch id as two integers, nil for an id of another form.
+local function stamp(id)
+  local s, u = string.match(id or '', '^(%d+)%.(%d+)$')
+  if s then return tonumber(s), tonumber(u) end
+end
+local sent = ARGV[2]
 local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
 local epoch = mark[1]
-local stale = ARGV[2] ~= '' and ARGV[2] ~= epoch
-if epoch and not stale and ARGV[2] ~= '' and tonumber(ARGV[3]) > (tonumber(mark[2]) or 0) then
+local stale = sent ~= '' and sent ~= epoch
+-- The store went back: the caller saw this epoch further along, or a later epoch than the
+-- stored one (a copy from before an earlier loss came back).
+local went_back = false
+if epoch and sent ~= '' then
+  if not stale then
+    went_back = tonumber(ARGV[3]) > (tonumber(mark[2]) or 0)
+  else
+    local ss, su = stamp(sent)
+    local es, eu = stamp(epoch)
+    went_back = ss ~= nil and es ~= nil and (ss > es or (ss == es and su > eu))
+  end
+end
+if went_back then
   epoch, stale = nil, true
   redis.call('HDEL', KEYS[4], 'detected_ms')
 end
 if not epoch then
-  epoch = t[1] .. '.' .. t[2]
+  -- Later than the id the caller sent, so that ids only grow, even across servers whose clocks
+  -- differ.
+  local s, u = tonumber(t[1]), tonumber(t[2])
+  local ss, su = stamp(sent)
+  if ss and (ss > s or (ss == s and su >= u)) then
+    s, u = ss, su + 1
+    if u > 999999 then s, u = s + 1, 0 end
+  end
+  epoch = string.format('%d.%d', s, u)
   redis.call('HSET', KEYS[4], 'id', epoch, 'seq', 0)
   mark[2] = 0
 end
