@@ -393,6 +393,55 @@ enum End {
     Kill,
 }
 
+/// Asks a `tick` worker holding `quota`'s only slot to release (its lines go to `lines`), checks
+/// the lease left Redis, and that a single try by another process then gets the slot at once.
+/// Returns the time from the release to that admission.
+fn release_then_probe(
+    mut worker: Worker,
+    server: &RedisServer,
+    quota: &str,
+    ttl_ms: i64,
+    lines: &mut Vec<String>,
+) -> Duration {
+    let stdin = worker.child.stdin.as_mut().unwrap();
+    stdin.write_all(b"release\n").unwrap();
+    stdin.flush().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        assert!(Instant::now() < deadline, "no release: {lines:?}");
+        let line = worker.next_line(Duration::from_secs(10));
+        assert!(!line.starts_with("lost"), "{line}; {lines:?}");
+        let released = line == "released";
+        lines.push(line);
+        if released {
+            break;
+        }
+    }
+    let released_at = Instant::now();
+    let leases_key = format!("leasehold:{{{quota}}}:leases");
+    assert_eq!(
+        server.command(&["ZCARD", &leases_key]).as_int(),
+        Some(0),
+        "the released lease is still stored"
+    );
+    // One attempt, no waiting: the slot is free the moment the release is acknowledged.
+    let probe = Worker::spawn(
+        &[],
+        &args(&[&"try", &server.url(), &quota, &1, &ttl_ms, &"next"]),
+    );
+    let reply = probe.wait(Duration::from_secs(10));
+    assert!(
+        reply.len() == 1 && reply[0].starts_with("acquired"),
+        "a single try after the release: {reply:?}"
+    );
+    let after = released_at.elapsed();
+    assert_eq!(
+        worker.wait(Duration::from_secs(10)),
+        vec!["done".to_string()]
+    );
+    after
+}
+
 /// F13: the holder's own wall clock is stepped +1 h, then −2 h, then back (+1 h to the true
 /// clock before a release, +2 h to an hour ahead before a SIGKILL) while it holds a lease (ttl
 /// 1 s, so about three renewals a second), through about nine ttl in all. Nothing in the
@@ -463,41 +512,12 @@ fn client_clock_stepped_mid_lease(end: End) {
     // How the lease ends: the slot must come back exactly as it would without a step.
     let reclaim_report = match end {
         End::Release => {
-            let stdin = worker.child.stdin.as_mut().unwrap();
-            stdin.write_all(b"release\n").unwrap();
-            stdin.flush().unwrap();
-            let deadline = Instant::now() + Duration::from_secs(15);
-            loop {
-                assert!(Instant::now() < deadline, "no release: {lines:?}");
-                let line = worker.next_line(Duration::from_secs(10));
-                let released = line == "released";
-                assert!(!line.starts_with("lost"), "{line}; {lines:?}");
-                lines.push(line);
-                if released {
-                    break;
-                }
-            }
-            let released_at = Instant::now();
-            let (_, score) = server_now_and_score(&server, &leases_key, task);
-            assert_eq!(score, None, "the released lease is still stored");
-            // One attempt, no waiting: the slot is free the moment the release is acknowledged.
-            let probe = Worker::spawn(
-                &[],
-                &args(&[&"try", &server.url(), &quota_name, &1, &TTL_MS, &"next"]),
-            );
-            let reply = probe.wait(Duration::from_secs(10));
-            assert_eq!(reply.len(), 1, "{reply:?}");
-            assert!(
-                reply[0].starts_with("acquired"),
-                "a single try after the release: {reply:?}"
-            );
-            let report = format!(
+            let released_after =
+                release_then_probe(worker, &server, quota_name, TTL_MS, &mut lines);
+            format!(
                 "released; a single try_acquire by another process got the slot {} ms later",
-                released_at.elapsed().as_millis()
-            );
-            let rest = worker.wait(Duration::from_secs(10));
-            assert_eq!(rest, vec!["done".to_string()]);
-            report
+                released_after.as_millis()
+            )
         }
         End::Kill => {
             lines.extend(worker.lines.try_iter());
@@ -669,7 +689,7 @@ fn a_client_clock_strobed_mid_lease_changes_nothing() {
     let task = "strobed";
     let seed = wall_ms() as u64;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut worker = Worker::spawn_with_env(
+    let worker = Worker::spawn_with_env(
         &[],
         &clock.env(),
         &args(&[&"tick", &server.url(), &quota_name, &1, &TTL_MS, &task, &20]),
@@ -703,33 +723,7 @@ fn a_client_clock_strobed_mid_lease_changes_nothing() {
     clock.set_offset_ms(0);
     lines.extend(worker.lines.try_iter());
 
-    let stdin = worker.child.stdin.as_mut().unwrap();
-    stdin.write_all(b"release\n").unwrap();
-    stdin.flush().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        assert!(Instant::now() < deadline, "no release: {lines:?}");
-        let line = worker.next_line(Duration::from_secs(10));
-        assert!(!line.starts_with("lost"), "seed {seed}: {line}; {lines:?}");
-        let released = line == "released";
-        lines.push(line);
-        if released {
-            break;
-        }
-    }
-    let probe = Worker::spawn(
-        &[],
-        &args(&[&"try", &server.url(), &quota_name, &1, &TTL_MS, &"next"]),
-    );
-    let reply = probe.wait(Duration::from_secs(10));
-    assert!(
-        reply.len() == 1 && reply[0].starts_with("acquired"),
-        "a single try after the release: {reply:?}"
-    );
-    assert_eq!(
-        worker.wait(Duration::from_secs(10)),
-        vec!["done".to_string()]
-    );
+    release_then_probe(worker, &server, quota_name, TTL_MS, &mut lines);
 
     // The worker's view: its clock really jumped both ways, and nothing else moved.
     let ticks: Vec<Tick> = lines.iter().filter_map(|l| parse_tick(l)).collect();
