@@ -21,23 +21,18 @@ local function stamp(id)
   local s, u = string.match(id or '', '^(%d+)%.(%d+)$')
   if s then return tonumber(s), tonumber(u) end
 end
+local function later(s1, u1, s2, u2)
+  return s1 > s2 or (s1 == s2 and u1 > u2)
+end
 local sent = ARGV[2]
 local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
-local epoch = mark[1]
+local epoch, seq = mark[1], tonumber(mark[2]) or 0
 local stale = sent ~= '' and sent ~= epoch
+local ss, su = stamp(sent)
+local es, eu = stamp(epoch)
 -- The store went back: the caller saw this epoch further along, or a later epoch than the
 -- stored one (a copy from before an earlier loss came back).
-local went_back = false
-if epoch and sent ~= '' then
-  if not stale then
-    went_back = tonumber(ARGV[3]) > (tonumber(mark[2]) or 0)
-  else
-    local ss, su = stamp(sent)
-    local es, eu = stamp(epoch)
-    went_back = ss ~= nil and es ~= nil and (ss > es or (ss == es and su > eu))
-  end
-end
-if went_back then
+if (sent == epoch and tonumber(ARGV[3]) > seq) or (ss and es and later(ss, su, es, eu)) then
   epoch, stale = nil, true
   redis.call('HDEL', KEYS[4], 'detected_ms')
 end
@@ -45,14 +40,12 @@ if not epoch then
   -- Later than the id the caller sent, so that ids only grow, even across servers whose clocks
   -- differ.
   local s, u = tonumber(t[1]), tonumber(t[2])
-  local ss, su = stamp(sent)
-  if ss and (ss > s or (ss == s and su >= u)) then
+  if ss and not later(s, u, ss, su) then
     s, u = ss, su + 1
     if u > 999999 then s, u = s + 1, 0 end
   end
-  epoch = string.format('%d.%d', s, u)
+  epoch, seq = string.format('%d.%d', s, u), 0
   redis.call('HSET', KEYS[4], 'id', epoch, 'seq', 0)
-  mark[2] = 0
 end
 if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
   redis.call('SET', KEYS[5], epoch, 'PX', ttl)
@@ -65,7 +58,7 @@ if reregister then
   room = limit and limit - redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
 end
 
-local out = {now, epoch, tonumber(mark[2]) or 0}
+local out = {now, epoch, seq}
 local changed = false
 local k = 0
 for i = 4, #ARGV, 2 do
