@@ -570,7 +570,7 @@ fn lease_record(
 }
 
 /// The latest epoch of a quota a reply reported, and the highest `seq` (the count of acquire and
-/// renew calls the server had run in that epoch) any reply reported in it.
+/// renew calls that changed a lease in that epoch) any reply reported in it.
 #[derive(Debug, Clone, Default)]
 struct SeenEpoch {
     id: String,
@@ -586,12 +586,11 @@ impl RedisBackend {
 
     /// The highest seq seen in the epoch `epoch` of `quota`, 0 if that is not the latest.
     fn seen_seq(&self, quota: &str, epoch: &str) -> u64 {
-        let seen = self.seen_epoch(quota);
-        if seen.id == epoch {
-            seen.seq
-        } else {
-            0
-        }
+        let epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
+        epochs
+            .get(quota)
+            .filter(|seen| seen.id == epoch)
+            .map_or(0, |seen| seen.seq)
     }
 
     /// Records the epoch and seq a reply reported, and returns the epoch.
