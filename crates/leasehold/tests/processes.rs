@@ -393,6 +393,81 @@ enum End {
     Kill,
 }
 
+/// Starts a `tick` worker (a tick every `tick_ms`) with `clock`'s shim loaded, and returns it once
+/// it holds `task` in `quota` (limit 1), with the offset that turns its CLOCK_MONOTONIC stamps
+/// into true wall-clock ms: this process's clock is not shifted, and both clocks advance alike
+/// over a few seconds.
+fn start_clocked_holder(
+    clock: &ServerClock,
+    server: &RedisServer,
+    quota: &str,
+    ttl_ms: i64,
+    task: &str,
+    tick_ms: u64,
+) -> (Worker, i64) {
+    let worker = Worker::spawn_with_env(
+        &[],
+        &clock.env(),
+        &args(&[&"tick", &server.url(), &quota, &1, &ttl_ms, &task, &tick_ms]),
+    );
+    let first = worker.next_line(Duration::from_secs(10));
+    assert!(first.starts_with("acquired"), "{first}");
+    (worker, wall_ms() - (monotonic_ns() / 1_000_000) as i64)
+}
+
+/// Checks a holder's ticks: its local deadline is monotonic (still ahead, never more than a ttl
+/// ahead), and the deadline it holds from the server is server time (ahead of the true time by
+/// at most a ttl, 100 ms slack for two clock reads in the worker and one here) and never goes
+/// back, from `last_deadline` on. Returns each tick's wall-clock skew from the true time, and
+/// how many renewals the ticks show. `context` starts the failure messages.
+fn check_ticks(
+    ticks: &[&Tick],
+    base_ms: i64,
+    ttl_ms: i64,
+    last_deadline: &mut i64,
+    context: &str,
+) -> (Vec<i64>, usize) {
+    let mut skews = Vec::new();
+    let mut renewals = 0;
+    for tick in ticks {
+        let true_ms = (tick.mono_ns / 1_000_000) as i64 + base_ms;
+        skews.push(tick.wall_ms - true_ms);
+        assert!(
+            tick.left_ms > 0 && tick.left_ms <= ttl_ms,
+            "{context}: local deadline {} ms ahead (ttl {ttl_ms})",
+            tick.left_ms
+        );
+        let ahead = tick.deadline_ms - true_ms;
+        assert!(
+            (-100..=ttl_ms + 100).contains(&ahead),
+            "{context}: the lease's deadline is {ahead} ms ahead of true time"
+        );
+        assert!(tick.deadline_ms >= *last_deadline, "the deadline went back");
+        renewals += usize::from(tick.deadline_ms > *last_deadline && *last_deadline != 0);
+        *last_deadline = tick.deadline_ms;
+    }
+    (skews, renewals)
+}
+
+/// Checks `(server now, stored deadline)` samples: renewed by server time, the stored deadline
+/// never goes back, never expires and is never more than a ttl ahead. Returns how many times it
+/// moved, and its margins ahead of the server's time.
+fn check_samples(samples: &[(i64, i64)], ttl_ms: i64, context: &str) -> (usize, Vec<i64>) {
+    let mut moves = 0;
+    for pair in samples.windows(2) {
+        assert!(pair[1].1 >= pair[0].1, "the stored deadline went back");
+        moves += usize::from(pair[1].1 > pair[0].1);
+    }
+    let margins: Vec<i64> = samples.iter().map(|(now, score)| score - now).collect();
+    for &margin in &margins {
+        assert!(
+            margin > 0 && margin <= ttl_ms,
+            "{context}: the stored deadline is {margin} ms ahead of server time"
+        );
+    }
+    (moves, margins)
+}
+
 /// Asks a `tick` worker holding `quota`'s only slot to release (its lines go to `lines`), checks
 /// the lease left Redis, and that a single try by another process then gets the slot at once.
 /// Returns the time from the release to that admission.
@@ -473,16 +548,7 @@ fn client_clock_stepped_mid_lease(end: End) {
         (-HOUR_MS, 3000),
         (final_offset_ms, 1500),
     ];
-    let mut worker = Worker::spawn_with_env(
-        &[],
-        &clock.env(),
-        &args(&[&"tick", &server.url(), &quota_name, &1, &TTL_MS, &task, &50]),
-    );
-    let first = worker.next_line(Duration::from_secs(10));
-    assert!(first.starts_with("acquired"), "{first}");
-    // Translates the worker's CLOCK_MONOTONIC stamps into true wall-clock ms: this process's
-    // clock is not shifted, and both clocks advance alike over a few seconds.
-    let base_ms = wall_ms() - (monotonic_ns() / 1_000_000) as i64;
+    let (mut worker, base_ms) = start_clocked_holder(&clock, &server, quota_name, TTL_MS, task, 50);
 
     let mut lines: Vec<String> = Vec::new();
     // Per phase: (monotonic ns just before the step, just after).
@@ -588,54 +654,25 @@ fn client_clock_stepped_mid_lease(end: End) {
             "phase {phase}: only {} ticks",
             in_phase.len()
         );
-        let mut skews = Vec::new();
-        let mut renewals = 0;
-        for tick in &in_phase {
-            let true_ms = (tick.mono_ns / 1_000_000) as i64 + base_ms;
-            let skew = tick.wall_ms - true_ms;
-            skews.push(skew);
+        let context = format!("phase {phase}");
+        let (skews, renewals) =
+            check_ticks(&in_phase, base_ms, TTL_MS, &mut last_deadline, &context);
+        for &skew in &skews {
             assert!(
                 (skew - offset_ms).abs() < 1000,
                 "phase {phase}: the worker's wall clock is {skew} ms off, not {offset_ms}"
             );
-            // The local deadline is monotonic: still ahead, and never more than a ttl ahead.
-            assert!(
-                tick.left_ms > 0 && tick.left_ms <= TTL_MS,
-                "phase {phase}: local deadline {} ms ahead (ttl {TTL_MS})",
-                tick.left_ms
-            );
-            // The acknowledged deadline is server time: ahead of the true time, at most a ttl
-            // (100 ms slack: two clock reads in the worker and one here).
-            let ahead = tick.deadline_ms - true_ms;
-            assert!(
-                (-100..=TTL_MS + 100).contains(&ahead),
-                "phase {phase}: the lease's deadline is {ahead} ms ahead of true time"
-            );
-            assert!(tick.deadline_ms >= last_deadline, "the deadline went back");
-            if tick.deadline_ms > last_deadline && last_deadline != 0 {
-                renewals += 1;
-            }
-            last_deadline = tick.deadline_ms;
         }
         assert!(
             renewals >= 2,
             "phase {phase}: the worker saw {renewals} renewals"
         );
-        let phase_samples: Vec<&(usize, i64, i64)> =
-            samples.iter().filter(|s| s.0 == phase).collect();
-        let mut moves = 0;
-        for pair in phase_samples.windows(2) {
-            assert!(pair[1].2 >= pair[0].2, "the stored deadline went back");
-            moves += usize::from(pair[1].2 > pair[0].2);
-        }
-        // Renewed by server time: never expired, never extended beyond one ttl.
-        let margins: Vec<i64> = phase_samples.iter().map(|s| s.2 - s.1).collect();
-        for &margin in &margins {
-            assert!(
-                margin > 0 && margin <= TTL_MS,
-                "phase {phase}: the stored deadline is {margin} ms ahead of server time"
-            );
-        }
+        let phase_samples: Vec<(i64, i64)> = samples
+            .iter()
+            .filter(|s| s.0 == phase)
+            .map(|s| (s.1, s.2))
+            .collect();
+        let (moves, margins) = check_samples(&phase_samples, TTL_MS, &context);
         assert!(
             moves >= 2,
             "phase {phase}: the stored deadline moved {moves} times"
@@ -689,14 +726,7 @@ fn a_client_clock_strobed_mid_lease_changes_nothing() {
     let task = "strobed";
     let seed = wall_ms() as u64;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let worker = Worker::spawn_with_env(
-        &[],
-        &clock.env(),
-        &args(&[&"tick", &server.url(), &quota_name, &1, &TTL_MS, &task, &20]),
-    );
-    let first = worker.next_line(Duration::from_secs(10));
-    assert!(first.starts_with("acquired"), "{first}");
-    let base_ms = wall_ms() - (monotonic_ns() / 1_000_000) as i64;
+    let (worker, base_ms) = start_clocked_holder(&clock, &server, quota_name, TTL_MS, task, 20);
 
     let mut lines: Vec<String> = Vec::new();
     // (server now, stored deadline), about every 50 ms.
@@ -727,26 +757,16 @@ fn a_client_clock_strobed_mid_lease_changes_nothing() {
 
     // The worker's view: its clock really jumped both ways, and nothing else moved.
     let ticks: Vec<Tick> = lines.iter().filter_map(|l| parse_tick(l)).collect();
-    let (mut ahead_seen, mut behind_seen, mut renewals, mut last_deadline) = (0, 0, 0, 0);
-    for tick in &ticks {
-        let true_ms = (tick.mono_ns / 1_000_000) as i64 + base_ms;
-        let skew = tick.wall_ms - true_ms;
-        ahead_seen += usize::from((skew - HOUR_MS).abs() < 1000);
-        behind_seen += usize::from((skew + HOUR_MS).abs() < 1000);
-        assert!(
-            tick.left_ms > 0 && tick.left_ms <= TTL_MS,
-            "seed {seed}: local deadline {} ms ahead (ttl {TTL_MS})",
-            tick.left_ms
-        );
-        let ahead = tick.deadline_ms - true_ms;
-        assert!(
-            (-100..=TTL_MS + 100).contains(&ahead),
-            "seed {seed}: the lease's deadline is {ahead} ms ahead of true time"
-        );
-        assert!(tick.deadline_ms >= last_deadline, "the deadline went back");
-        renewals += usize::from(tick.deadline_ms > last_deadline && last_deadline != 0);
-        last_deadline = tick.deadline_ms;
-    }
+    let all: Vec<&Tick> = ticks.iter().collect();
+    let context = format!("seed {seed}");
+    let (skews, renewals) = check_ticks(&all, base_ms, TTL_MS, &mut 0, &context);
+    let near = |offset: i64| {
+        skews
+            .iter()
+            .filter(|&&skew| (skew - offset).abs() < 1000)
+            .count()
+    };
+    let (ahead_seen, behind_seen) = (near(HOUR_MS), near(-HOUR_MS));
     // Proof the strobe reached the worker: a run that moved nothing fails here.
     assert!(
         ahead_seen >= 10 && behind_seen >= 10,
@@ -754,16 +774,7 @@ fn a_client_clock_strobed_mid_lease_changes_nothing() {
     );
     // About three a second for four seconds; a loaded machine may merge a few.
     assert!(renewals >= 8, "seed {seed}: {renewals} renewals seen");
-    let mut moves = 0;
-    for pair in samples.windows(2) {
-        assert!(pair[1].1 >= pair[0].1, "the stored deadline went back");
-        moves += usize::from(pair[1].1 > pair[0].1);
-    }
-    let margins: Vec<i64> = samples.iter().map(|(now, score)| score - now).collect();
-    assert!(
-        margins.iter().all(|&m| m > 0 && m <= TTL_MS),
-        "seed {seed}: stored deadline ahead of server time by {margins:?}"
-    );
+    let (moves, margins) = check_samples(&samples, TTL_MS, &context);
     assert!(
         moves >= 8,
         "seed {seed}: the stored deadline moved {moves} times"
