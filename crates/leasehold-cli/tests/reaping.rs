@@ -10,12 +10,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use leasehold_testkit::{temp_dir, RedisServer};
 
-/// The state letter of `pid` (`R`, `S`, `Z`, ...), `None` once it is gone.
-fn state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 2..].chars().next()
-}
-
 #[test]
 fn a_leftover_that_ended_but_was_never_reaped_does_not_hold_the_slot() {
     // Orphans of the run's command are adopted by this process, which does not reap them.
@@ -36,13 +30,13 @@ fn a_leftover_that_ended_but_was_never_reaped_does_not_hold_the_slot() {
     );
     let took = started.elapsed();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let leftover: i32 = std::fs::read_to_string(&pidfile)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let leftover = pid_from(&pidfile);
     // The scenario happened: the leftover was ended and is a zombie nobody reaps.
-    assert_eq!(state(leftover), Some('Z'), "the leftover is not a zombie");
+    assert_eq!(
+        proc_stat(leftover).and_then(|s| s.chars().next()),
+        Some('Z'),
+        "the leftover is not a zombie"
+    );
     assert_eq!(holders(&server, "zombie"), 0, "the slot is still held");
     assert!(
         took < grace / 2,

@@ -15,9 +15,7 @@ use leasehold_testkit::{temp_dir, RedisServer};
 
 /// The state letter of process `pid` (`R`, `S`, `T`, ...), `None` once it is gone or a zombie.
 fn state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after_name = &stat[stat.rfind(')')? + 2..];
-    after_name.chars().next().filter(|&c| c != 'Z')
+    proc_stat(pid)?.chars().next().filter(|&c| c != 'Z')
 }
 
 /// Waits (bounded) until `pid` is in a state `want` accepts.
@@ -36,8 +34,7 @@ fn wait_state(pid: i32, what: &str, want: impl Fn(Option<char>) -> bool) {
 /// `/proc/<pid>/stat` after the command name (state, parent, group, session, tty, terminal's
 /// foreground group, ...), for a failure message.
 fn stat_line(pid: i32) -> Option<String> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    Some(stat[stat.rfind(')')? + 2..].chars().take(40).collect())
+    Some(proc_stat(pid)?.chars().take(40).collect())
 }
 
 fn signal(pid: i32, sig: i32) {
@@ -63,21 +60,6 @@ fn ticking_run(server: &RedisServer, quota: &str, ttl: &str, dir: &Path) -> (Chi
         .unwrap();
     wait_held(server, quota, "ticker");
     (run, pid_from(&pidfile))
-}
-
-/// The pid a command wrote to `pidfile`, once it has (bounded).
-fn pid_from(pidfile: &Path) -> i32 {
-    let end = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(pid) = std::fs::read_to_string(pidfile)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-        {
-            return pid;
-        }
-        assert!(Instant::now() < end, "the command never started");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 fn ticks(dir: &Path) -> usize {
@@ -222,11 +204,7 @@ fn processes_the_command_left_behind_end_before_the_slot_is_released() {
         ],
     );
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let pid: i32 = std::fs::read_to_string(&pidfile)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = pid_from(&pidfile);
     wait_state(pid, "gone", |s| s.is_none());
     std::fs::remove_dir_all(dir).unwrap();
 }

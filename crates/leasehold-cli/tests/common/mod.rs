@@ -2,6 +2,7 @@
 //! every wait bounded in time.
 #![allow(dead_code)] // each test file uses its own subset
 
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -111,6 +112,28 @@ pub fn wait_held(server: &RedisServer, quota: &str, task: &str) {
     {
         assert!(Instant::now() < end, "{task} never acquired");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `/proc/<pid>/stat` after the command name: state, parent, group, session, tty, the
+/// terminal's foreground group, ... `None` once the process is gone (a zombie is still there).
+pub fn proc_stat(pid: i32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat[stat.rfind(')')? + 2..].to_owned())
+}
+
+/// The pid a command wrote to `pidfile`, once it has (bounded).
+pub fn pid_from(pidfile: &Path) -> i32 {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(pid) = std::fs::read_to_string(pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            return pid;
+        }
+        assert!(Instant::now() < end, "the command never started");
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
