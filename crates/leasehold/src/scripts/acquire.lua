@@ -39,11 +39,16 @@ local sent = ARGV[3]
 local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
 local epoch, seq = mark[1], tonumber(mark[2]) or 0
 local stale = sent ~= '' and sent ~= epoch
-local ss, su = stamp(sent)
-local es, eu = stamp(epoch)
 -- The store went back: the caller saw this epoch further along, or a later epoch than the
--- stored one (a copy from before an earlier loss came back).
-if (sent == epoch and tonumber(ARGV[5]) > seq) or (ss and es and later(ss, su, es, eu)) then
+-- stored one (a copy from before an earlier loss came back). Ids are parsed only off the
+-- common path, where the caller sends the stored id.
+local went_back = sent == epoch and tonumber(ARGV[5]) > seq
+if stale then
+  local ss, su = stamp(sent)
+  local es, eu = stamp(epoch)
+  went_back = ss and es and later(ss, su, es, eu)
+end
+if went_back then
   epoch, stale = nil, true
   redis.call('HDEL', KEYS[4], 'detected_ms')
 end
@@ -51,6 +56,7 @@ if not epoch then
   -- Later than the id the caller sent, so that ids only grow, even across servers whose clocks
   -- differ.
   local s, u = tonumber(t[1]), tonumber(t[2])
+  local ss, su = stamp(sent)
   if ss and not later(s, u, ss, su) then
     s, u = ss, su + 1
     if u > 999999 then s, u = s + 1, 0 end
