@@ -95,10 +95,39 @@ pub fn wait_exit(child: &mut Child, within: Duration) -> i32 {
         }
         assert!(
             Instant::now() < end,
-            "leasehold did not exit within {within:?}"
+            "leasehold did not exit within {within:?}; its processes: {}",
+            process_tree(child.id() as i32)
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// `pid` and its descendants as `pid (comm) state`, for a failure message: what a run that did
+/// not end was waiting for.
+fn process_tree(pid: i32) -> String {
+    let parent_of = |p: i32| -> Option<i32> { proc_stat(p)?.split(' ').nth(1)?.parse().ok() };
+    let all: Vec<i32> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(all.iter().filter(|p| parent_of(**p) == Some(parent)));
+        i += 1;
+    }
+    let describe = |p: i32| -> Option<String> {
+        let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).ok()?;
+        let state = proc_stat(p)?.split(' ').next()?.to_owned();
+        Some(format!("{p} ({}) {state}", comm.trim()))
+    };
+    tree.into_iter()
+        .filter_map(describe)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Waits until `task` holds a lease in `quota`.
