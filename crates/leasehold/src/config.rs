@@ -174,7 +174,8 @@ impl QuotaBuilder {
     /// How long the oldest waiter of this process sleeps between attempts when no wake-up
     /// arrives (Pub/Sub can lose messages): jittered between half and one and a half of it, and
     /// never past the expiry hint of its last full answer or the ttl. Other waiters sleep 0.5–1.5 ×
-    /// 4 × this, at most the ttl. Default 250 ms.
+    /// 4 × this, at most the ttl. Default 250 ms; between 1 ms and [`MAX_TTL`] (a longer one
+    /// would change nothing: no sleep outlasts the ttl).
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.poll_interval = every;
         self
@@ -289,8 +290,12 @@ impl QuotaBuilder {
                 timing("the breaker needs failures_to_open ≥ 1 and a cool-down".into()).into(),
             );
         }
-        if self.poll_interval < Duration::from_millis(1) {
-            return Err(timing("poll interval must be at least 1 ms".into()).into());
+        if self.poll_interval < Duration::from_millis(1) || self.poll_interval > MAX_TTL {
+            return Err(timing(format!(
+                "poll interval {:?} must be between 1ms and {MAX_TTL:?}",
+                self.poll_interval
+            ))
+            .into());
         }
         let config = QuotaConfig {
             limit,
@@ -344,5 +349,8 @@ mod tests {
             q().cancel_marker_ttl(Duration::from_secs(20))
         ));
         assert!(misconfigured(QuotaBuilder::new("a{b}").limit(1)));
+        assert!(misconfigured(q().poll_interval(Duration::ZERO)));
+        assert!(misconfigured(q().poll_interval(Duration::MAX)));
+        assert!(!misconfigured(q().poll_interval(MAX_TTL)));
     }
 }

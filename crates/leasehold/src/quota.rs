@@ -410,7 +410,9 @@ impl Quota {
         // Only a newcomer when nobody waits in line (or a task that already holds) may try at
         // once; otherwise it would overtake older waiters.
         let mut retry_after = shared.until_expiry_or_poll();
-        let (place, try_at_once) = shared.waiters.join(task_id, shared.holds(task_id));
+        let (place, try_at_once) = shared
+            .waiters
+            .join(task_id, shared.held_lease_of(task_id).is_some());
         if try_at_once {
             match self.settled(self.attempt(task_id).await)? {
                 Attempt::Admitted(lease) => return Ok(lease),
@@ -689,11 +691,6 @@ impl Shared {
         StartedAttempt::Running { outcome: rx, taken }
     }
 
-    /// True when `task_id` holds a live lease in this process.
-    fn holds(&self, task_id: &str) -> bool {
-        self.lease(task_id).is_some()
-    }
-
     /// The live lease of `task_id` in this process, if any.
     pub(crate) fn lease(&self, task_id: &str) -> Option<Arc<LeaseInner>> {
         live_in(self.admissions.registry(), task_id)
@@ -839,41 +836,42 @@ impl Shared {
         if let Some(held) = self.held_lease_of(task_id) {
             return Ok(Attempt::Admitted(Lease::from_inner(held)));
         }
-        let retry_after = self.config.breaker.cool_down;
         match self.config.when_down {
             BackendDownPolicy::FailClosed => Err(down),
-            BackendDownPolicy::FailOpen => Ok(Attempt::Admitted(self.local_lease(task_id))),
-            BackendDownPolicy::DegradeLocal { share } => {
-                let took = self
-                    .admissions
-                    .local_held
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                        (held < share).then_some(held + 1)
-                    })
-                    .is_ok();
-                if took {
-                    Ok(Attempt::Admitted(self.local_lease_counted(task_id)))
-                } else {
-                    Ok(Attempt::Full { retry_after })
-                }
-            }
+            BackendDownPolicy::FailOpen => Ok(self.grant_locally(task_id, u32::MAX)),
+            BackendDownPolicy::DegradeLocal { share } => Ok(self.grant_locally(task_id, share)),
         }
     }
 
-    fn local_lease(self: &Arc<Self>, task_id: &str) -> Lease {
-        self.admissions.local_held.fetch_add(1, Ordering::AcqRel);
-        self.local_lease_counted(task_id)
-    }
-
-    /// A lease granted without the backend, already counted in `local_held`.
-    fn local_lease_counted(self: &Arc<Self>, task_id: &str) -> Lease {
+    /// A lease granted without the backend while fewer than `share` local leases are held, or
+    /// the local lease `task_id` already holds. Both are decided under the local leases' lock, so
+    /// that concurrent calls for one task take one slot, not two.
+    fn grant_locally(self: &Arc<Self>, task_id: &str, share: u32) -> Attempt {
+        // Declared before the lock so that it drops after it: the drop of a lease that is over
+        // may come back to this map (`forget`).
+        let found: Option<Arc<LeaseInner>>;
+        let mut local = self.admissions.local();
+        found = local.get(task_id).and_then(Weak::upgrade);
+        if let Some(held) = found.as_ref().filter(|l| !l.is_over()) {
+            return Attempt::Admitted(Lease::from_inner(held.clone()));
+        }
+        let took = self
+            .admissions
+            .local_held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                (held < share).then_some(held + 1)
+            })
+            .is_ok();
+        if !took {
+            return Attempt::Full {
+                retry_after: self.config.breaker.cool_down,
+            };
+        }
         tracing::warn!(quota = %self.keys.name, task_id, policy = ?self.config.when_down,
             "backend unavailable: lease granted locally");
         let inner = Arc::new(LeaseInner::local(self.clone(), task_id));
-        self.admissions
-            .local()
-            .insert(task_id.to_owned(), Arc::downgrade(&inner));
-        Lease::from_inner(inner)
+        local.insert(task_id.to_owned(), Arc::downgrade(&inner));
+        Attempt::Admitted(Lease::from_inner(inner))
     }
 
     /// A local lease was released.

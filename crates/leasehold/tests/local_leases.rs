@@ -113,3 +113,72 @@ async fn a_local_lease_learns_that_its_task_was_cancelled() {
         .expect("a local lease is never renewed: the message must reach it");
     assert_eq!(reason, LostReason::Cancelled("stop".into()));
 }
+
+/// Concurrent calls for one task id, from several threads, while the circuit is open: one local
+/// slot between them, whichever policy grants it.
+#[test]
+fn concurrent_calls_for_one_task_take_one_local_slot() {
+    for policy in [
+        BackendDownPolicy::FailOpen,
+        BackendDownPolicy::DegradeLocal { share: 2 },
+    ] {
+        for round in 0..50 {
+            let backend = Arc::new(Switchable::default());
+            let q = quota(&backend, policy, LONG);
+            backend.set_down(true);
+            let callers = 4;
+            let start = Arc::new(std::sync::Barrier::new(callers));
+            let threads: Vec<_> = (0..callers)
+                .map(|_| {
+                    let (q, start) = (q.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .unwrap();
+                        start.wait();
+                        rt.block_on(q.try_acquire("x"))
+                    })
+                })
+                .collect();
+            let leases: Vec<_> = threads
+                .into_iter()
+                .map(|t| t.join().unwrap().unwrap())
+                .collect();
+            assert!(leases.iter().all(|l| l.is_local()));
+            assert_eq!(
+                q.local_leases(),
+                1,
+                "{policy:?}, round {round}: one task took several local slots"
+            );
+            drop(leases);
+            assert_eq!(
+                q.local_leases(),
+                0,
+                "{policy:?}: the shared slot was not freed"
+            );
+        }
+    }
+}
+
+/// A task that holds a local lease does not queue behind waiters for it: asking again returns
+/// its lease at once, as it does for a backend lease.
+#[tokio::test]
+async fn a_task_holding_a_local_lease_is_not_queued_behind_waiters() {
+    let backend = Arc::new(Switchable::default());
+    let q = quota(&backend, BackendDownPolicy::DegradeLocal { share: 1 }, LONG);
+    backend.set_down(true);
+    let held = q.try_acquire("x").await.unwrap();
+    assert!(held.is_local());
+    let waiter = {
+        let q = q.clone();
+        tokio::spawn(async move { q.acquire_timeout("w", LONG).await })
+    };
+    // The waiter is refused (the share is used) and waits in line.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiter.is_finished());
+    let again = q.acquire_timeout("x", Duration::from_millis(500)).await;
+    assert!(again.is_ok(), "asked again while holding: {again:?}");
+    assert_eq!(q.local_leases(), 1);
+    waiter.abort();
+}
