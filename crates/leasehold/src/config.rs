@@ -58,8 +58,14 @@ pub(crate) struct QuotaConfig {
 
 impl QuotaConfig {
     /// The holder's own deadline for a lease whose admission or renewal was sent at `sent`.
+    ///
+    /// The server counts in whole milliseconds: it reads its clock rounded down (up to 1 ms
+    /// early) and adds the ttl's whole milliseconds, so its deadline can fall up to 1 ms plus
+    /// the ttl's fraction of a millisecond before `sent + ttl`. Both are taken off here, so that
+    /// even a zero safety margin never outlives the server's deadline.
     pub(crate) fn local_deadline(&self, sent: Instant) -> Instant {
-        sent + self.ttl - self.safety_margin
+        let whole_ms = Duration::from_millis(self.ttl.as_millis() as u64);
+        sent + whole_ms.saturating_sub(Duration::from_millis(1) + self.safety_margin)
     }
 }
 
@@ -323,6 +329,25 @@ mod tests {
         let checked = matches!(b.check(), Err(Error::Misconfigured(_)));
         assert_eq!(checked, matches!(b.build(), Err(Error::Misconfigured(_))));
         checked
+    }
+
+    #[test]
+    fn the_local_deadline_allows_for_the_servers_whole_milliseconds() {
+        let config = |ttl, margin| {
+            QuotaBuilder::new("q")
+                .limit(1)
+                .ttl(ttl)
+                .safety_margin(margin)
+                .settings()
+                .unwrap()
+                .1
+        };
+        let sent = Instant::now();
+        // The server may read its clock up to 1 ms late and keeps only whole ms of the ttl.
+        let c = config(Duration::from_micros(60_900), Duration::ZERO);
+        assert_eq!(c.local_deadline(sent) - sent, Duration::from_millis(59));
+        let c = config(Duration::from_secs(10), Duration::from_millis(50));
+        assert_eq!(c.local_deadline(sent) - sent, Duration::from_millis(9949));
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! Renewal: one task per quota on the leasehold runtime renews every live lease of the quota in
 //! this process with one backend call per heartbeat interval, and fires `lost` at each lease's
-//! local deadline when renewals cannot get through.
+//! local deadline when renewals cannot get through. A lease whose acquire was sent before the
+//! latest beat but adopted after it brings the next beat forward: a lease's first renewal goes
+//! out one heartbeat after its acquire was sent (at once if the reply took longer), as if the
+//! acquire had been a beat.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -16,8 +19,8 @@ use crate::lease::LeaseInner;
 use crate::quota::Shared;
 use crate::runtime;
 
-/// Wakes the renewal task early when a new lease's local deadline comes before the wake-up it
-/// planned (the lease's acquire round trip already used part of its ttl).
+/// Wakes the renewal task early when a new lease is due for renewal before the wake-up it
+/// planned (the lease's acquire round trip already used part of its heartbeat).
 #[derive(Debug, Default)]
 pub(crate) struct Alarm {
     notify: Notify,
@@ -30,8 +33,8 @@ impl Alarm {
         self.planned.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A lease with local deadline `at` was just registered.
-    pub(crate) fn new_deadline(&self, at: Instant) {
+    /// A lease due for renewal at `at` was just registered.
+    pub(crate) fn renewal_due(&self, at: Instant) {
         if self.planned().is_none_or(|planned| at < planned) {
             self.notify.notify_one();
         }
@@ -61,13 +64,15 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                     lease.mark_lost(LostReason::LocalDeadline);
                 }
             }
-            if now >= next_beat {
+            let due = |l: &&Arc<LeaseInner>| !l.is_lost() && now >= l.renew_due();
+            if now >= next_beat || leases.iter().any(|l| due(&l)) {
                 next_beat = now + shared.config.heartbeat;
                 // Each call carries the epoch its leases were confirmed in: normally one for all,
                 // two or more only around a loss of the quota's state, when leases admitted
                 // before it must say so to re-register.
                 let mut by_epoch: HashMap<Arc<str>, Vec<Arc<LeaseInner>>> = HashMap::new();
                 for lease in leases.iter().filter(|l| !l.is_lost()) {
+                    lease.renewing(next_beat);
                     by_epoch
                         .entry(lease.epoch())
                         .or_default()
@@ -89,7 +94,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
             leases
                 .iter()
                 .filter(|l| !l.is_lost())
-                .map(|l| l.local_deadline())
+                .map(|l| l.local_deadline().min(l.renew_due()))
                 .fold(next_beat, Instant::min)
         };
         *alarm.planned() = Some(wake_at);

@@ -51,6 +51,10 @@ struct Times {
     /// come back out of order (on a replaced connection), and the reply of an earlier call must
     /// not move the epoch back.
     epoch_sent: Instant,
+    /// When the next renewal of this lease is due: one heartbeat after its acquire was sent,
+    /// then one heartbeat after each beat that renewed it. A lease adopted just after a beat
+    /// would otherwise wait for the next one, having spent its acquire round trip already.
+    renew_due: Instant,
 }
 
 impl std::fmt::Debug for Lease {
@@ -72,6 +76,7 @@ impl LeaseInner {
     /// A lease admitted by an attempt sent at `sent`.
     pub(crate) fn new(quota: Arc<Shared>, record: &LeaseRecord, sent: Instant) -> Self {
         let local_deadline = quota.config.local_deadline(sent);
+        let renew_due = sent + quota.config.heartbeat;
         LeaseInner {
             quota,
             task_id: record.task_id.clone(),
@@ -82,6 +87,7 @@ impl LeaseInner {
                 local_deadline,
                 epoch: record.epoch.as_str().into(),
                 epoch_sent: sent,
+                renew_due,
             }),
             lost: watch::channel(None).0,
             lost_token: CancellationToken::new(),
@@ -120,6 +126,16 @@ impl LeaseInner {
 
     pub(crate) fn local_deadline(&self) -> Instant {
         self.times().local_deadline
+    }
+
+    /// When the next renewal of this lease is due.
+    pub(crate) fn renew_due(&self) -> Instant {
+        self.times().renew_due
+    }
+
+    /// A beat is renewing this lease; the next one is due at `next`.
+    pub(crate) fn renewing(&self, next: Instant) {
+        self.times().renew_due = next;
     }
 
     /// The epoch this lease was last confirmed in.

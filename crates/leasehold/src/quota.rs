@@ -816,7 +816,7 @@ impl Shared {
         }
         drop(live);
         if !newer_held {
-            self.alarm.new_deadline(inner.local_deadline());
+            self.alarm.renewal_due(inner.renew_due());
         }
         Lease::from_inner(inner)
     }

@@ -71,6 +71,64 @@ async fn a_held_reply_through_a_shorter_ttl_handle_does_not_stretch_the_local_de
     );
 }
 
+/// A lease whose acquire was out while a beat went by is renewed one heartbeat after that acquire
+/// was sent, not at the beat after: on a slow but healthy link it keeps its lease like the older
+/// ones do. ttl 1 s, heartbeat 400 ms, margin 50 ms, round trip about 350 ms: renewed at the
+/// beat after, such a lease would hear its renewal about 1.05 s after its acquire was sent,
+/// past its local deadline (949 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_adopted_just_after_a_beat_is_renewed_a_heartbeat_after_its_acquire() {
+    const HEARTBEAT: Duration = Duration::from_millis(400);
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let backend = common::connect_with_call_timeout(&proxy.url(), Duration::from_secs(2)).await;
+    let quota = Quota::builder(common::unique("slow-link"))
+        .limit(50)
+        .ttl(Duration::from_secs(1))
+        .heartbeat(HEARTBEAT)
+        .safety_margin(Duration::from_millis(50))
+        .events(false)
+        .backend(backend)
+        .build()
+        .unwrap();
+    proxy.set_latency(Duration::from_millis(170));
+    // An older lease shows when the beats go out: its local deadline moves to (renewal sent +
+    // 949 ms) when a renewal is answered.
+    let older = quota.try_acquire("older").await.unwrap();
+    let renewal_sent =
+        |lease: &leasehold::Lease| lease.local_deadline() - Duration::from_millis(949);
+    for round in 0..3 {
+        let seen = older.local_deadline();
+        let end = Instant::now() + Duration::from_secs(3);
+        while older.local_deadline() == seen {
+            assert!(
+                Instant::now() < end,
+                "round {round}: the older lease was not renewed"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // Send the acquire so that the second beat from that renewal goes by about 275 ms
+        // into its round trip.
+        let beat = renewal_sent(&older) + 2 * HEARTBEAT;
+        tokio::time::sleep_until((beat - Duration::from_millis(275)).into()).await;
+        let sent = Instant::now();
+        let lease = quota.try_acquire(&format!("new{round}")).await.unwrap();
+        let adopted = sent.elapsed();
+        let lost = tokio::time::timeout(Duration::from_millis(1500), lease.lost()).await;
+        eprintln!(
+            "round {round}: acquire round trip {adopted:?}, beat {:?} after it was sent, lost: {:?}",
+            beat.saturating_duration_since(sent),
+            lost.as_ref().ok()
+        );
+        assert!(
+            lost.is_err(),
+            "round {round}: a new lease on a healthy link was lost: {lost:?}"
+        );
+        assert!(older.is_held(), "round {round}: the older lease was lost");
+        drop(lease);
+    }
+}
+
 /// A lease adopted between two beats of the renewal task, whose admission round trip was long:
 /// its local deadline (sent + ttl − margin) may come before the task's next planned wake-up, and
 /// `lost()` must still fire at it.
@@ -201,5 +259,54 @@ async fn memory_cancel_with_the_longest_marker_ttl_still_refuses_the_task() {
     assert!(
         matches!(cancel, Ok(Err(Error::Cancelled(_)))),
         "cancel then acquire: {cancel:?}"
+    );
+}
+
+/// The server counts in whole milliseconds (its clock read rounded down, the ttl's fraction of a
+/// millisecond dropped): with no safety margin at all, the holder's local deadline still never
+/// outlives the backend's deadline. Memory backend, renewals cut off, ttl 60.9 ms; another
+/// caller tries from just before the holder's local deadline until it passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_safety_margin_the_local_deadline_still_comes_first() {
+    let backend = std::sync::Arc::new(common::switchable::Switchable::default());
+    let quota = |name: &str| {
+        Quota::builder(name)
+            .limit(1)
+            .ttl(Duration::from_micros(60_900))
+            .heartbeat(Duration::from_millis(20))
+            .safety_margin(Duration::ZERO)
+            .events(false)
+            .shared_backend(backend.clone())
+            .build()
+            .unwrap()
+    };
+    let mut early = 0;
+    for round in 0..40 {
+        let name = format!("no-margin-{round}");
+        let (holder_side, other_side) = (quota(&name), quota(&name));
+        backend.set_renewals_down(false);
+        let held = holder_side.try_acquire("a").await.unwrap();
+        backend.set_renewals_down(true);
+        let until = held.local_deadline();
+        tokio::time::sleep_until((until - Duration::from_millis(3)).into()).await;
+        loop {
+            let admitted = other_side.try_acquire("b").await.is_ok();
+            // What `is_held` compares, read after the answer.
+            let still_held = Instant::now() < until;
+            if admitted && still_held {
+                early += 1;
+                eprintln!(
+                    "round {round}: b admitted {:?} before a's local deadline",
+                    until - Instant::now()
+                );
+            }
+            if admitted || !still_held {
+                break;
+            }
+        }
+    }
+    assert_eq!(
+        early, 0,
+        "{early} of 40 rounds admitted another while the holder held"
     );
 }

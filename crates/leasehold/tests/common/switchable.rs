@@ -12,13 +12,14 @@ use leasehold::{Backend, Error, MemoryBackend, QuotaKeys, Result};
 use tokio::sync::broadcast;
 
 /// The memory backend, with a switch that takes it "down" (every call fails transiently, as an
-/// unreachable Redis would), and one that holds releases back: they fail as if they timed out,
+/// unreachable Redis would), one for renewals only, and one that holds releases back: they fail as if they timed out,
 /// and reach the backend only when the test delivers them, as a proxy that held a replaced
 /// connection's bytes would.
 #[derive(Debug, Default)]
 pub struct Switchable {
     pub inner: MemoryBackend,
     down: AtomicBool,
+    renewals_down: AtomicBool,
     hold_back_releases: AtomicBool,
     held_back: Mutex<Vec<(QuotaKeys, String, Option<u64>)>>,
 }
@@ -33,6 +34,11 @@ impl Switchable {
 
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Renewals fail while the other calls get through (a holder cut off, others not).
+    pub fn set_renewals_down(&self, down: bool) {
+        self.renewals_down.store(down, Ordering::SeqCst);
     }
 
     pub fn hold_back_releases(&self, hold: bool) {
@@ -70,6 +76,9 @@ impl Backend for Switchable {
         leases: &[(String, u64)],
     ) -> Result<RenewReply> {
         self.up()?;
+        if self.renewals_down.load(Ordering::SeqCst) {
+            return Err(Error::BackendUnavailable("renewals switched off".into()));
+        }
         self.inner.renew(keys, ttl, epoch, leases).await
     }
     async fn set_limit(
