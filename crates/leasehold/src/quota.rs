@@ -270,7 +270,10 @@ impl Quota {
 
     /// Waits for a slot as long as it takes. Waiters of one handle (and its clones) are served in
     /// arrival order; they are woken by release events, by a timer to the earliest lease
-    /// deadline, and by a bounded, jittered poll in case an event was lost.
+    /// deadline, and by a bounded, jittered poll in case an event was lost. Order is kept
+    /// among the waiters this process knows to be waiting: a newcomer whose first attempt is
+    /// still out when another arrives is not ahead of it yet, and a younger waiter's
+    /// safety-net poll may take a slot that freed during an older waiter's round trip.
     ///
     /// Waiting is for a free slot, not for the backend: when the backend cannot answer, the
     /// quota's [`BackendDownPolicy`] decides at once (the default fails closed with

@@ -1,10 +1,13 @@
 //! The queue of tasks in this process that wait for a slot of one quota.
 //!
 //! Waiters are served in arrival order: a wake-up (a release announced on the quota's channel)
-//! goes to the earliest waiter that is not already attempting, so when one slot frees, the
-//! oldest waiter tries first; when several free, several try at once. Only the head of the queue
-//! arms a timer to the earliest lease deadline, so an expiry (which nobody announces) costs one
-//! attempt per process, not one per waiter.
+//! goes to the earliest waiter that is not already attempting on a wake-up, so when one slot
+//! frees, the oldest waiter tries first; when several free, several try at once. A waiter whose
+//! own attempt (its first, a poll, its expiry timer) is out keeps the wake-up and tries again at
+//! once if that attempt is refused: it was sent before the slot freed, and a younger waiter must
+//! not take the slot meanwhile. Only the head of the queue arms a timer to the earliest lease
+//! deadline, so an expiry (which nobody announces) costs one attempt per process, not one per
+//! waiter.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,8 +32,14 @@ pub(crate) struct Waiter {
     notify: Notify,
     /// Set by a wake-up that asks this waiter to attempt; cleared when it takes it.
     attempt: AtomicBool,
-    /// True while the waiter is attempting, so further wake-ups go to the next waiter.
+    /// Set with `attempt` when the wake-up says a slot freed (not a mere re-check): a newcomer
+    /// holding one is owed that slot, so later newcomers queue behind it.
+    promised: AtomicBool,
+    /// True while the waiter is attempting.
     busy: AtomicBool,
+    /// True while the attempt out is one the waiter made on its own (not for a wake-up): it may
+    /// have been sent before a slot freed, so a wake-up is still this waiter's.
+    own_attempt: AtomicBool,
     /// True during a newcomer's first attempt, made at once: it is not in line yet, so other
     /// newcomers may try at once too.
     newcomer: AtomicBool,
@@ -61,16 +70,21 @@ impl WaitQueue {
     }
 
     /// Joins the back of the queue, waiting for `task_id`, and says whether it may try at once:
-    /// when nobody waits in line (newcomers on their first attempt do not count), or when
+    /// when nobody waits in line (newcomers on their first attempt do not count, unless a freed
+    /// slot was already promised to one of them), or when
     /// `skip_line` (the task already holds a lease, so trying takes no slot from anyone). One
     /// that tries joins busy, so a slot freed while its attempt is out is kept for its next
     /// round rather than lost.
     pub(crate) fn join(&self, task_id: &str, skip_line: bool) -> (Place<'_>, bool) {
         let mut queue = self.lock();
-        let trying = skip_line || queue.iter().all(|w| w.newcomer.load(Ordering::Acquire));
+        let trying = skip_line
+            || queue
+                .iter()
+                .all(|w| w.newcomer.load(Ordering::Acquire) && !w.promised.load(Ordering::Acquire));
         let waiter = Arc::new(Waiter {
             task_id: task_id.to_owned(),
             busy: AtomicBool::new(trying),
+            own_attempt: AtomicBool::new(trying),
             newcomer: AtomicBool::new(trying),
             ..Waiter::default()
         });
@@ -87,8 +101,8 @@ impl WaitQueue {
     /// attempting, one keeps the wake-up for its next round (see [`keeper`]) so none is lost.
     pub(crate) fn wake_one(&self) {
         let queue = self.lock();
-        if let Some(w) = idle(&queue).or_else(|| keeper(&queue)) {
-            w.ask();
+        if let Some(w) = next_in_line(&queue).or_else(|| keeper(&queue)) {
+            w.promise();
         }
     }
 
@@ -103,15 +117,18 @@ impl WaitQueue {
         let mut replaced = None;
         {
             let queue = self.lock();
-            if let Some(w) = idle(&queue) {
-                replaced = w
-                    .started
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .replace(start(&w.task_id));
-                w.ask();
+            if let Some(w) = next_in_line(&queue) {
+                if !w.busy.load(Ordering::Acquire) {
+                    replaced = w
+                        .started
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .replace(start(&w.task_id));
+                }
+                // Busy on its own attempt: it tries again at once if that one is refused.
+                w.promise();
             } else if let Some(w) = keeper(&queue) {
-                w.ask();
+                w.promise();
             }
         }
         drop(replaced);
@@ -145,13 +162,21 @@ impl Waiter {
         self.attempt.store(true, Ordering::Release);
         self.notify.notify_one();
     }
+
+    /// Asks this waiter to attempt because a slot freed.
+    fn promise(&self) {
+        self.promised.store(true, Ordering::Release);
+        self.ask();
+    }
 }
 
-/// The earliest waiter neither attempting nor already asked to.
-fn idle(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
-    queue
-        .iter()
-        .find(|w| !w.busy.load(Ordering::Acquire) && !w.attempt.load(Ordering::Acquire))
+/// The earliest waiter not already asked to attempt and not attempting for an earlier wake-up:
+/// idle, or out on an attempt of its own.
+fn next_in_line(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
+    queue.iter().find(|w| {
+        !w.attempt.load(Ordering::Acquire)
+            && (!w.busy.load(Ordering::Acquire) || w.own_attempt.load(Ordering::Acquire))
+    })
 }
 
 /// Who keeps a wake-up for their next round when every waiter is attempting: the oldest one not
@@ -179,6 +204,8 @@ impl Place<'_> {
         self.waiter.notify.notified().await;
         let attempt = self.waiter.attempt.swap(false, Ordering::AcqRel);
         if attempt {
+            self.waiter.promised.store(false, Ordering::Release);
+            self.waiter.own_attempt.store(false, Ordering::Release);
             self.waiter.busy.store(true, Ordering::Release);
         }
         attempt
@@ -186,6 +213,8 @@ impl Place<'_> {
 
     /// Marks the waiter busy for an attempt it makes on its own (timer or poll).
     pub(crate) fn attempting(&self) {
+        self.waiter.promised.store(false, Ordering::Release);
+        self.waiter.own_attempt.store(true, Ordering::Release);
         self.waiter.busy.store(true, Ordering::Release);
         self.waiter.attempt.store(false, Ordering::Release);
     }
@@ -204,6 +233,7 @@ impl Place<'_> {
     pub(crate) fn idle(&self) {
         self.waiter.newcomer.store(false, Ordering::Release);
         self.waiter.busy.store(false, Ordering::Release);
+        self.waiter.own_attempt.store(false, Ordering::Release);
     }
 }
 
@@ -215,8 +245,11 @@ impl Drop for Place<'_> {
             was_head = queue.front().is_some_and(|w| Arc::ptr_eq(w, &self.waiter));
             queue.retain(|w| !Arc::ptr_eq(w, &self.waiter));
         }
-        if self.waiter.attempt.load(Ordering::Acquire) {
-            // We leave with a wake-up we did not use: pass it on.
+        if self.waiter.attempt.load(Ordering::Acquire)
+            && self.waiter.promised.load(Ordering::Acquire)
+        {
+            // We leave with a freed slot's wake-up we did not use: pass it on. (A re-check
+            // asked everyone already.)
             self.queue.wake_one();
         } else if was_head {
             self.queue.promote_head();
@@ -300,6 +333,49 @@ mod tests {
             matches!(within(b.woken()).await, Ok(true)),
             "and the second the other"
         );
+    }
+
+    #[tokio::test]
+    async fn a_waiter_out_on_its_own_attempt_keeps_the_wake_up_from_younger_ones() {
+        let q = WaitQueue::default();
+        let a = in_line(&q);
+        let b = in_line(&q);
+        a.attempting(); // its poll is out; a slot frees meanwhile
+        let mut started = Vec::new();
+        q.wake_one_starting(|id| {
+            started.push(id.to_owned());
+            StartedAttempt::Done(Ok(crate::quota::Attempt::Full {
+                retry_after: Duration::ZERO,
+            }))
+        });
+        assert!(
+            started.is_empty(),
+            "a younger waiter was started ahead of the head"
+        );
+        a.idle(); // the poll was refused
+        let within = |f| tokio::time::timeout(Duration::from_millis(100), f);
+        assert!(
+            matches!(within(a.woken()).await, Ok(true)),
+            "the head tries again at once"
+        );
+        assert!(within(b.woken()).await.is_err(), "the younger one waits");
+    }
+
+    #[test]
+    fn a_newcomer_promised_a_freed_slot_makes_a_line() {
+        let q = WaitQueue::default();
+        let (a, a_tries) = q.join("a", false);
+        assert!(a_tries);
+        q.wake_one(); // a slot frees while a's first attempt is out
+        let (b, b_tries) = q.join("b", false);
+        assert!(!b_tries, "b would take the slot a is to retry for");
+        drop((a, b));
+        let q = WaitQueue::default();
+        let (a, _) = q.join("a", false);
+        q.wake_all(); // a mere re-check (a resubscription) promises nothing
+        let (b, b_tries) = q.join("b", false);
+        assert!(b_tries, "newcomers do not queue behind a re-check");
+        drop((a, b));
     }
 
     #[tokio::test]
