@@ -209,17 +209,28 @@ unsafe fn foreground(fd: i32, pgrp: i32) {
     libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
 }
 
+/// How the command stands to the controlling terminal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TerminalRole {
+    /// No controlling terminal.
+    Without,
+    /// The command takes the terminal (this descriptor) itself before it runs.
+    Foreground(i32),
+    /// A terminal is there but stays with the group `leasehold run` shares (a pipeline, a
+    /// script): the command runs in the background of it. It ignores SIGTTIN and SIGTTOU, so a
+    /// read of the terminal fails (EIO) and a write goes through, instead of stopping a
+    /// command that no `fg` could ever bring to the foreground.
+    KeptOut,
+}
+
 /// Sets up the command, between fork and exec: it dies with the thread that starts it, and it
-/// takes the terminal `terminal_fd` (if any) itself, so it cannot read before it has it.
+/// takes the terminal (if it is to be in the foreground) itself, so it cannot read before it
+/// has it.
 ///
 /// Only async-signal-safe calls happen in the child. `PR_SET_PDEATHSIG` fires when the *thread*
 /// that forked ends: `leasehold run` starts the command from the main thread, which lives as long
 /// as the process.
-pub fn prepare(
-    command: &mut tokio::process::Command,
-    terminal_fd: Option<i32>,
-    restore_ttou: bool,
-) {
+pub fn prepare(command: &mut tokio::process::Command, role: TerminalRole, restore_ttou: bool) {
     // SAFETY: getpid(2) only.
     let parent = unsafe { libc::getpid() };
     let setup = move || -> std::io::Result<()> {
@@ -233,10 +244,15 @@ pub fn prepare(
                 // `leasehold run` died before the death signal was armed.
                 return Err(std::io::Error::other("leasehold run exited"));
             }
-            if let Some(fd) = terminal_fd {
-                foreground(fd, libc::getpgrp());
+            match role {
+                TerminalRole::Without => {}
+                TerminalRole::Foreground(fd) => foreground(fd, libc::getpgrp()),
+                TerminalRole::KeptOut => {
+                    libc::signal(libc::SIGTTIN, libc::SIG_IGN);
+                    libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+                }
             }
-            if restore_ttou {
+            if restore_ttou && role != TerminalRole::KeptOut {
                 libc::signal(libc::SIGTTOU, libc::SIG_DFL);
             }
         }

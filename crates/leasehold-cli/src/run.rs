@@ -9,7 +9,7 @@ use tokio::process::{Child, Command};
 
 use crate::cli::RunArgs;
 use crate::exit::{self, Failure};
-use crate::job::{self, Event, Signals, Terminal};
+use crate::job::{self, Event, Signals, Terminal, TerminalRole};
 
 pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Failure> {
     let generated = args.task_id.is_none();
@@ -67,7 +67,12 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
     }
     let terminal = Terminal::controlling();
     let hand_over = terminal.as_ref().filter(|t| t.may_hand_over());
-    let mut child = match spawn(&args, &quota, &lease, hand_over, signals.restore_ttou()) {
+    let role = match (&terminal, hand_over) {
+        (_, Some(terminal)) => TerminalRole::Foreground(terminal.raw_fd()),
+        (Some(_), None) => TerminalRole::KeptOut,
+        (None, None) => TerminalRole::Without,
+    };
+    let mut child = match spawn(&args, &quota, &lease, role, signals.restore_ttou()) {
         Ok(child) => child,
         Err(failure) => {
             // The process exits right after this: a release left to the lease's drop would
@@ -175,7 +180,7 @@ fn spawn(
     args: &RunArgs,
     quota: &Quota,
     lease: &Lease,
-    terminal: Option<&Terminal>,
+    role: TerminalRole,
     restore_ttou: bool,
 ) -> Result<Child, Failure> {
     let (program, rest) = args
@@ -191,7 +196,7 @@ fn spawn(
         // Its own group, so a signal reaches the whole tree the command starts.
         .process_group(0)
         .kill_on_drop(true);
-    job::prepare(&mut command, terminal.map(Terminal::raw_fd), restore_ttou);
+    job::prepare(&mut command, role, restore_ttou);
     command.spawn().map_err(|e| {
         let code = match e.kind() {
             std::io::ErrorKind::NotFound => exit::NOT_FOUND,

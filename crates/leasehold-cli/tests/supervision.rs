@@ -277,6 +277,37 @@ fn the_terminal_goes_to_the_command_only_when_the_run_is_alone_in_the_foreground
     assert_ne!(group, foreground, "a command of a script keeps out");
 }
 
+/// A command of a script or a pipeline stage runs in the background of the terminal, which
+/// stays with the group the run shares. Reading the terminal fails there instead of stopping
+/// the command (which no `fg` could bring to the foreground, and which hung the script); its
+/// writes go through even with `stty tostop`.
+#[test]
+fn a_command_kept_out_of_the_terminal_cannot_hang_on_it() {
+    let server = RedisServer::start();
+    for line in [
+        "$RUN run --limit 1 -- sh -c 'read x; echo read:$?'; echo after:$?",
+        "stty tostop; $RUN run --limit 1 -- sh -c 'echo wrote; read x; echo read:$?' | cat; echo after:$?",
+    ] {
+        let mut shell = std::process::Command::new("sh");
+        shell
+            .args(["-c", line])
+            .env("RUN", env!("CARGO_BIN_EXE_leasehold"))
+            .env("LEASEHOLD_REDIS_URL", server.url())
+            .env("LEASEHOLD_QUOTA", "kept-out");
+        let mut terminal = InTerminal::spawn(shell);
+        terminal.type_in(b"typed\n");
+        let shown = terminal.wait(Duration::from_secs(15));
+        let text = &shown.text;
+        assert!(!text.contains("read:0"), "{line}: the read succeeded: {text:?}");
+        assert!(text.contains("read:"), "{line}: {text:?}");
+        assert!(text.contains("after:"), "{line}: the script did not go on: {text:?}");
+        if line.contains("wrote") {
+            assert!(text.contains("wrote"), "{line}: {text:?}");
+        }
+        assert_eq!(holders(&server, "kept-out"), 0, "{line}: the slot stayed held");
+    }
+}
+
 /// `leasehold run` ignores SIGTTOU (a background write with `stty tostop` would stop it, or
 /// caught, spin), and its command gets the default back.
 #[test]
