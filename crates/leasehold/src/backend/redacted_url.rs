@@ -6,37 +6,37 @@
 /// `url` with the password of its user-info (`user:password@`) and any `pass=` / `password=`
 /// query value (the form `redis+unix://` URLs use) replaced by `***`. Everything else is kept, so
 /// the message still shows what is wrong with the URL.
+///
+/// The user-info runs to the *last* `@`: a URL that failed to parse may hold a password with an
+/// unencoded `/`, `?` or `#`, and cutting at those first would show it. An `@` later in the URL
+/// (rare in a Redis URL) hides a little more than the password; never less.
 pub(crate) fn redacted(url: &str) -> String {
-    let (head, query) = match url.split_once('?') {
-        Some((head, query)) => (head, Some(query)),
-        None => (url, None),
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return redacted_query(url);
     };
-    let mut out = match head.split_once("://") {
-        Some((scheme, rest)) => {
-            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-            let authority = match authority.rsplit_once('@') {
-                Some((userinfo, host)) => match userinfo.split_once(':') {
-                    Some((user, _password)) => format!("{user}:***@{host}"),
-                    None => authority.to_string(),
-                },
-                None => authority.to_string(),
-            };
-            format!("{scheme}://{authority}{path}")
-        }
-        None => head.to_string(),
+    let rest = match rest.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _password)) => format!("{user}:***@{host}"),
+            None => rest.to_owned(),
+        },
+        None => rest.to_owned(),
     };
-    if let Some(query) = query {
-        let pairs: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((key, _)) if key == "pass" || key == "password" => format!("{key}=***"),
-                _ => pair.to_string(),
-            })
-            .collect();
-        out.push('?');
-        out.push_str(&pairs.join("&"));
-    }
-    out
+    redacted_query(&format!("{scheme}://{rest}"))
+}
+
+/// `url` with any `pass=` / `password=` query value replaced by `***`.
+fn redacted_query(url: &str) -> String {
+    let Some((head, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let pairs: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((key, _)) if key == "pass" || key == "password" => format!("{key}=***"),
+            _ => pair.to_string(),
+        })
+        .collect();
+    format!("{head}?{}", pairs.join("&"))
 }
 
 #[cfg(test)]
@@ -59,6 +59,20 @@ mod tests {
                 "redis+unix:///tmp/r.sock?db=1&pass=***",
             ),
             ("not a url", "not a url"),
+            // Unencoded `/`, `?` or `#` in a password: the URL does not parse, and is shown.
+            (
+                "redis://u:pa/s3cret@127.0.0.1:16392/",
+                "redis://u:***@127.0.0.1:16392/",
+            ),
+            (
+                "redis://:pa?s3cret@127.0.0.1:16392/",
+                "redis://:***@127.0.0.1:16392/",
+            ),
+            ("redis://:s3#cret@host/0", "redis://:***@host/0"),
+            (
+                "redis://host/0?password=s3cret@x",
+                "redis://host/0?password=***",
+            ),
         ];
         for (url, shown) in cases {
             assert_eq!(redacted(url), shown, "{url}");
