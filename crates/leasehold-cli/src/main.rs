@@ -157,8 +157,11 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
                     ));
                     Ok(0)
                 }
-                // The same command again: nothing to do.
-                LimitUpdate::Kept(stored) if stored.limit == limit => {
+                // The same command again: nothing to do. (The same N at an older version was
+                // refused, like any older version.)
+                LimitUpdate::Kept(stored)
+                    if stored.limit == limit && args.limit_version == Some(stored.version) =>
+                {
                     output::tell(&format!(
                         "limit {} (version {}) already stored\n",
                         stored.limit, stored.version

@@ -322,8 +322,9 @@ async fn end_leftovers(pgid: i32, grace: Duration) {
     }
     job::signal_group(pgid, libc::SIGTERM);
     job::signal_group(pgid, libc::SIGCONT);
-    let end = tokio::time::Instant::now() + grace;
-    while job::group_alive(pgid) && tokio::time::Instant::now() < end {
+    // A grace too long to add to a clock waits as long as it takes.
+    let end = tokio::time::Instant::now().checked_add(grace);
+    while job::group_alive(pgid) && end.is_none_or(|end| tokio::time::Instant::now() < end) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     job::signal_group(pgid, libc::SIGKILL);

@@ -587,6 +587,14 @@ fn limit_changes_the_stored_limit_for_every_run_and_refuses_a_version_not_above_
         "{}",
         stderr(&lower)
     );
+    // The same N at an older version is refused like any older version, not a no-op.
+    let older_same = run_cli(&server.url(), "ops", ["limit", "1", "--limit-version", "0"]);
+    assert_eq!(
+        older_same.status.code(),
+        Some(78),
+        "{}",
+        stderr(&older_same)
+    );
     let bad = run_cli(&server.url(), "ops", ["limit", "0"]);
     assert_eq!(bad.status.code(), Some(78), "{}", stderr(&bad));
     // Raised to 2 (version 2): one more run gets a slot.

@@ -109,6 +109,21 @@ async fn a_malformed_url_is_misconfiguration() {
     }
 }
 
+/// A database number the server does not have (its default is 16 databases) is a mistake in
+/// the URL, not an outage: no retry can make it work.
+#[tokio::test]
+async fn a_database_the_server_does_not_have_is_misconfiguration() {
+    let server = RedisServer::start();
+    let err = RedisBackend::connect(&format!("redis://127.0.0.1:{}/99", server.port()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Misconfigured(Misconfiguration::InvalidUrl(_))),
+        "{err:?}"
+    );
+    assert!(!err.is_transient());
+}
+
 #[tokio::test]
 async fn an_unreachable_server_fails_fast_as_unavailable() {
     let started = Instant::now();

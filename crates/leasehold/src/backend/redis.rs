@@ -505,6 +505,10 @@ fn map_error(e: RedisError, quota: &str) -> Error {
     if text.contains("invalid peer certificate") || text.contains("certificate verify failed") {
         return Misconfiguration::Tls(text).into();
     }
+    if text.contains("DB index is out of range") || text.contains("refused to switch database") {
+        // The URL's database number does not exist on this server: no retry can help.
+        return Misconfiguration::InvalidUrl(text).into();
+    }
     match e.kind() {
         ErrorKind::InvalidClientConfig => Misconfiguration::InvalidUrl(text).into(),
         // A broken byte stream, e.g. a reply cut short by a connection closed mid-frame: the
