@@ -2,94 +2,28 @@
 //! own attempt is out (its first attempt, or the head's poll): that attempt was sent before the
 //! slot freed and comes back refused, and a younger waiter must not take the slot meanwhile.
 //! The backend is the memory backend, with one task's acquire answers held back 150 ms after
-//! they were decided, so the slot frees exactly while that answer is on its way. The poll
+//! they were decided (`Switchable::answer_late`), so the slot frees exactly while that answer is on its way. The poll
 //! interval is 1 s, so a younger waiter's safety-net poll (2–6 s) does not fall in that window:
 //! such a poll may take a slot freed during an older waiter's round trip, which only wake-ups
 //! guard against.
 
 mod common;
 
-use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use leasehold::backend::{
-    AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
-};
-use leasehold::{Backend, MemoryBackend, Quota, QuotaKeys, Result};
-use tokio::sync::{broadcast, Notify};
-
-/// The memory backend, whose acquire answers for the `slow` task ids come 150 ms late.
-#[derive(Debug, Default)]
-struct SlowAnswers {
-    inner: MemoryBackend,
-    slow: Mutex<HashSet<String>>,
-    decided: Notify,
-}
-
-#[async_trait]
-impl Backend for SlowAnswers {
-    async fn acquire_with_limit(
-        &self,
-        keys: &QuotaKeys,
-        id: &str,
-        ttl: Duration,
-        limit: VersionedLimit,
-    ) -> Result<AcquireReply> {
-        let answer = self.inner.acquire_with_limit(keys, id, ttl, limit).await;
-        if self.slow.lock().unwrap().contains(id) {
-            self.decided.notify_one();
-            tokio::time::sleep(Duration::from_millis(150)).await;
-        }
-        answer
-    }
-    async fn renew(
-        &self,
-        keys: &QuotaKeys,
-        ttl: Duration,
-        epoch: &str,
-        leases: &[(String, u64)],
-    ) -> Result<RenewReply> {
-        self.inner.renew(keys, ttl, epoch, leases).await
-    }
-    async fn set_limit(
-        &self,
-        keys: &QuotaKeys,
-        limit: u32,
-        version: Option<u64>,
-    ) -> Result<LimitUpdate> {
-        self.inner.set_limit(keys, limit, version).await
-    }
-    async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
-        self.inner.release(keys, id, token).await
-    }
-    async fn cancel(
-        &self,
-        keys: &QuotaKeys,
-        id: &str,
-        reason: &str,
-        ttl: Duration,
-    ) -> Result<bool> {
-        self.inner.cancel(keys, id, reason, ttl).await
-    }
-    async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
-        self.inner.snapshot(keys).await
-    }
-    async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
-        self.inner.subscribe(keys).await
-    }
-}
+use common::switchable::Switchable;
+use leasehold::Quota;
 
 struct Race {
     quota: Quota,
-    backend: Arc<SlowAnswers>,
+    backend: Arc<Switchable>,
     order: Arc<Mutex<Vec<&'static str>>>,
 }
 
 impl Race {
     fn new(name: &str) -> Race {
-        let backend = Arc::new(SlowAnswers::default());
+        let backend = Arc::new(Switchable::default());
         let quota = Quota::builder(name)
             .limit(1)
             .ttl(Duration::from_secs(10))
@@ -119,7 +53,7 @@ impl Race {
     }
 
     fn slow(&self, id: &str) {
-        self.backend.slow.lock().unwrap().insert(id.to_owned());
+        self.backend.answer_late(Some(id));
     }
 }
 
@@ -132,7 +66,7 @@ async fn the_head_out_on_its_poll_keeps_its_turn() {
     let b = race.waiter("b");
     tokio::time::sleep(Duration::from_millis(30)).await; // b: refused, behind a
     race.slow("a");
-    race.backend.decided.notified().await; // a's poll was refused; its answer is on its way
+    race.backend.decided_late.notified().await; // a's poll was refused; its answer is on its way
     holder.release().await.unwrap();
     let (ra, rb) = tokio::join!(a, b);
     ra.unwrap();
@@ -146,8 +80,8 @@ async fn a_newcomer_refused_before_a_release_goes_before_a_later_one() {
     let holder = race.quota.try_acquire("holder").await.unwrap();
     race.slow("a");
     let a = race.waiter("a");
-    race.backend.decided.notified().await; // a's first attempt was refused; answer on its way
-    race.backend.slow.lock().unwrap().clear();
+    race.backend.decided_late.notified().await; // a's first attempt was refused; answer on its way
+    race.backend.answer_late(None);
     holder.release().await.unwrap();
     tokio::time::sleep(Duration::from_millis(10)).await; // the release event has arrived
     let b = race.waiter("b");

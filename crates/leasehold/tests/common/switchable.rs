@@ -1,5 +1,6 @@
 //! A backend wrapper for tests that need a backend which fails on command.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -9,10 +10,11 @@ use leasehold::backend::{
     AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
 };
 use leasehold::{Backend, Error, MemoryBackend, QuotaKeys, Result};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, Notify};
 
 /// The memory backend, with a switch that takes it "down" (every call fails transiently, as an
-/// unreachable Redis would), one for renewals only, and one that holds releases back: they fail as if they timed out,
+/// unreachable Redis would), one for renewals only, one that delivers some tasks' acquire
+/// answers late (decided at once, answered after [`LATE_ANSWER`]), and one that holds releases back: they fail as if they timed out,
 /// and reach the backend only when the test delivers them, as a proxy that held a replaced
 /// connection's bytes would.
 #[derive(Debug, Default)]
@@ -22,7 +24,13 @@ pub struct Switchable {
     renewals_down: AtomicBool,
     hold_back_releases: AtomicBool,
     held_back: Mutex<Vec<(QuotaKeys, String, Option<u64>)>>,
+    answered_late: Mutex<HashSet<String>>,
+    /// Notified when an acquire answer that will come late was decided.
+    pub decided_late: Notify,
 }
+
+/// How late the answers of [`Switchable::answer_late`] come.
+pub const LATE_ANSWER: Duration = Duration::from_millis(150);
 
 impl Switchable {
     fn up(&self) -> Result<()> {
@@ -39,6 +47,18 @@ impl Switchable {
     /// Renewals fail while the other calls get through (a holder cut off, others not).
     pub fn set_renewals_down(&self, down: bool) {
         self.renewals_down.store(down, Ordering::SeqCst);
+    }
+
+    /// Acquire answers for `task_id` are decided at once and delivered [`LATE_ANSWER`] later
+    /// (`None`: none are, from now on).
+    pub fn answer_late(&self, task_id: Option<&str>) {
+        let mut late = self.answered_late.lock().unwrap();
+        match task_id {
+            Some(id) => {
+                late.insert(id.to_owned());
+            }
+            None => late.clear(),
+        }
     }
 
     pub fn hold_back_releases(&self, hold: bool) {
@@ -66,7 +86,12 @@ impl Backend for Switchable {
         limit: VersionedLimit,
     ) -> Result<AcquireReply> {
         self.up()?;
-        self.inner.acquire_with_limit(keys, id, ttl, limit).await
+        let answer = self.inner.acquire_with_limit(keys, id, ttl, limit).await;
+        if self.answered_late.lock().unwrap().contains(id) {
+            self.decided_late.notify_one();
+            tokio::time::sleep(LATE_ANSWER).await;
+        }
+        answer
     }
     async fn renew(
         &self,
