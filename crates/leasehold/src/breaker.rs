@@ -104,12 +104,15 @@ impl Breaker {
         }
     }
 
-    pub(crate) fn success(&self) {
+    /// A call was answered; returns whether that closed an open (or half-open) circuit.
+    pub(crate) fn success(&self) -> bool {
         let mut state = self.lock();
-        if state.open_until.is_some() {
+        let was_open = state.open_until.is_some();
+        if was_open {
             tracing::info!("backend answers again: circuit closed");
         }
         *state = State::default();
+        was_open
     }
 
     /// A call sent at `sent` failed transiently. Calls already under way when the previous

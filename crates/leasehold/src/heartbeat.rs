@@ -106,7 +106,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
     }
 }
 
-async fn renew(shared: &Shared, epoch: &str, leases: Vec<Arc<LeaseInner>>) {
+async fn renew(shared: &Arc<Shared>, epoch: &str, leases: Vec<Arc<LeaseInner>>) {
     let pairs: Vec<(String, u64)> = leases
         .iter()
         .map(|l| (l.task_id.clone(), l.token))

@@ -261,7 +261,7 @@ impl Quota {
     /// and never `Full`.
     pub async fn try_acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
-        self.ensure_listening().await;
+        self.shared.listen_in_background();
         match self.attempt(task_id).await? {
             Attempt::Admitted(lease) => Ok(lease),
             Attempt::Full { .. } => Err(self.full()),
@@ -281,7 +281,7 @@ impl Quota {
     /// It fails with [`Error::Cancelled`] if the task is cancelled while it waits.
     pub async fn acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
-        self.ensure_listening().await;
+        self.shared.listen_in_background();
         self.wait_for_slot(task_id).await
     }
 
@@ -290,12 +290,8 @@ impl Quota {
     /// the slot is released in the background.
     pub async fn acquire_timeout(&self, task_id: &str, timeout: Duration) -> Result<Lease> {
         validate_task_id(task_id)?;
-        match tokio::time::timeout(timeout, async {
-            self.ensure_listening().await;
-            self.wait_for_slot(task_id).await
-        })
-        .await
-        {
+        self.shared.listen_in_background();
+        match tokio::time::timeout(timeout, self.wait_for_slot(task_id)).await {
             Ok(result) => result,
             Err(_) => Err(Error::TimedOut {
                 quota: self.name().to_owned(),
@@ -429,7 +425,7 @@ impl Quota {
             // The backend answers (this waiter was told "full"): if the subscription is missing
             // (the circuit was open when the wait began, or it failed or ended), try again, so
             // that releases wake this waiter rather than its polls.
-            self.listen_in_background();
+            self.shared.listen_in_background();
             let sleep = if place.is_head() {
                 // At most one ttl: a refusal keeps releases announced (the `waiting` marker) only
                 // for as long as some waiter comes back within that time.
@@ -487,67 +483,6 @@ impl Quota {
     /// waiting: a late admission nobody takes is released at once.
     async fn attempt(&self, task_id: &str) -> Result<Attempt> {
         self.shared.start_attempt(task_id).outcome().await
-    }
-
-    /// Subscribes in the background when the subscription is missing: a waiter must not sit on
-    /// a slot a release won for it while a subscribe call is out.
-    fn listen_in_background(&self) {
-        if !self.shared.config.events || self.shared.listening.load(Ordering::Acquire) {
-            return;
-        }
-        if self.shared.subscribing.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let quota = self.clone();
-        // Releases announced before the subscription went unheard; the backend's confirmation
-        // of the subscription (`Resubscribed`) makes every waiter re-check.
-        runtime::spawn(async move {
-            quota.ensure_listening().await;
-            quota.shared.subscribing.store(false, Ordering::Release);
-        });
-    }
-
-    /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
-    /// and the next call tries again.
-    async fn ensure_listening(&self) {
-        if !self.shared.config.events || self.shared.listening.load(Ordering::Acquire) {
-            return;
-        }
-        if self.shared.breaker.mode() == BreakerMode::Open {
-            // The policy answers at once while the circuit is open; subscribing would wait on
-            // the unreachable backend first. A later acquire, or a waiter's next round, subscribes.
-            return;
-        }
-        let failed_at = *self
-            .shared
-            .subscribe_failed_at
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if failed_at.is_some_and(|at| at.elapsed() < SUBSCRIBE_RETRY) {
-            return;
-        }
-        let subscribed = self.shared.backend.subscribe(&self.shared.keys).await;
-        *self
-            .shared
-            .subscribe_failed_at
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = subscribed.is_err().then(Instant::now);
-        match subscribed {
-            Ok(events) => {
-                if !self.shared.listening.swap(true, Ordering::AcqRel) {
-                    let stop = self.shared.shutdown.clone();
-                    let listener = crate::events::listen(Arc::downgrade(&self.shared), events);
-                    runtime::spawn(async move {
-                        tokio::select! {
-                            _ = listener => {}
-                            _ = stop.cancelled() => {}
-                        }
-                    });
-                }
-            }
-            Err(e) => tracing::debug!(quota = %self.name(), error = %e,
-                "no event subscription yet; waiting relies on timers and polls"),
-        }
     }
 }
 
@@ -824,11 +759,82 @@ impl Shared {
         Lease::from_inner(inner)
     }
 
-    /// Feeds the short-circuit with the outcome of a backend call.
-    pub(crate) fn record_backend_result<T>(&self, result: &Result<T>, sent: Instant) {
+    /// Subscribes in the background when the subscription is missing: no caller waits on a
+    /// subscribe call (on a dead link it takes a whole call timeout, and subscribes of several
+    /// quotas go one after another), and a waiter must not sit on a slot a release won for it
+    /// while one is out.
+    pub(crate) fn listen_in_background(self: &Arc<Self>) {
+        if !self.config.events || self.listening.load(Ordering::Acquire) {
+            return;
+        }
+        if self.subscribing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let shared = self.clone();
+        // Releases announced before the subscription went unheard; the backend's confirmation
+        // of the subscription (`Resubscribed`) makes every waiter re-check.
+        runtime::spawn(async move {
+            shared.ensure_listening().await;
+            shared.subscribing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
+    /// and the next call tries again.
+    async fn ensure_listening(self: &Arc<Self>) {
+        if !self.config.events || self.listening.load(Ordering::Acquire) {
+            return;
+        }
+        if self.breaker.mode() == BreakerMode::Open {
+            // The policy answers at once while the circuit is open; subscribing would wait on
+            // the unreachable backend first. A later acquire, or a waiter's next round, subscribes.
+            return;
+        }
+        let failed_at = *self
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if failed_at.is_some_and(|at| at.elapsed() < SUBSCRIBE_RETRY) {
+            return;
+        }
+        let subscribed = self.backend.subscribe(&self.keys).await;
+        *self
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = subscribed.is_err().then(Instant::now);
+        match subscribed {
+            Ok(events) => {
+                if !self.listening.swap(true, Ordering::AcqRel) {
+                    let stop = self.shutdown.clone();
+                    let listener = crate::events::listen(Arc::downgrade(self), events);
+                    runtime::spawn(async move {
+                        tokio::select! {
+                            _ = listener => {}
+                            _ = stop.cancelled() => {}
+                        }
+                    });
+                }
+            }
+            Err(e) => tracing::debug!(quota = %self.keys.name, error = %e,
+                "no event subscription yet; waiting relies on timers and polls"),
+        }
+    }
+
+    /// Feeds the short-circuit with the outcome of a backend call. The first answer after an
+    /// outage subscribes at once if the subscription is missing: cancels and releases are heard
+    /// again without waiting for a caller's next round.
+    pub(crate) fn record_backend_result<T>(self: &Arc<Self>, result: &Result<T>, sent: Instant) {
         match result {
             Err(Error::BackendUnavailable(_)) => self.breaker.failure(sent),
-            _ => self.breaker.success(),
+            _ => {
+                if self.breaker.success() {
+                    *self
+                        .subscribe_failed_at
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = None;
+                    self.listen_in_background();
+                }
+            }
         }
     }
 

@@ -155,3 +155,51 @@ async fn degrade_local_share_holds_across_handles_of_one_quota() {
         "share 1, yet this process holds {local} local leases: {a:?} {b:?}"
     );
 }
+
+/// First acquires of several quotas on one backend while its link is silent: none waits on a
+/// subscribe (those go one after another, a call timeout each), so each is answered after about
+/// one call timeout, its own attempt's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn first_acquires_on_a_silent_link_do_not_queue_behind_subscribes() {
+    const CALL_TIMEOUT: Duration = Duration::from_millis(300);
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let backend = std::sync::Arc::new(common::proxied::connect_through(&proxy, CALL_TIMEOUT).await);
+    let quotas: Vec<Quota> = (0..8)
+        .map(|i| {
+            Quota::builder(format!("silent-{i}"))
+                .limit(10)
+                .ttl(Duration::from_secs(5))
+                .shared_backend(backend.clone())
+                .build()
+                .unwrap()
+        })
+        .collect();
+    proxy.stall(true);
+    let start = std::time::Instant::now();
+    let calls: Vec<_> = quotas
+        .into_iter()
+        .map(|q| {
+            tokio::spawn(async move {
+                let answer = q.try_acquire("t").await.map(|_| ());
+                (answer, start.elapsed())
+            })
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for call in calls {
+        let (answer, took) = call.await.unwrap();
+        assert!(
+            matches!(answer, Err(Error::BackendUnavailable(_))),
+            "{answer:?}"
+        );
+        slowest = slowest.max(took);
+    }
+    proxy.stall(false);
+    println!("slowest first try_acquire on a silent link: {slowest:?}");
+    // Queued behind each other's subscribes, the last took 8 or 9 call timeouts (2.7 s).
+    assert!(
+        slowest < CALL_TIMEOUT * 3,
+        "a first try_acquire took {slowest:?} with a {CALL_TIMEOUT:?} call timeout"
+    );
+}
