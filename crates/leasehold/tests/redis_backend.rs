@@ -1401,3 +1401,44 @@ async fn a_copy_of_an_earlier_epoch_coming_back_is_detected() {
     println!("epochs {older} -> {newer}; a copy of {older} came back; new epoch {after}");
     drop((first, second));
 }
+
+/// Pub/Sub ignores databases: two deployments on databases 0 and 1 of one server, with the same
+/// quota name and task id (so the same fencing token), must not hear each other's events. A
+/// cancel in database 1 ends database 1's lease at once, and leaves database 0's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_stay_in_their_database() {
+    let server = RedisServer::start();
+    let quota = |db: u32| {
+        let url = format!("redis://127.0.0.1:{}/{db}", server.port());
+        async move {
+            Quota::builder("same-name")
+                .limit(4)
+                .ttl(Duration::from_secs(5))
+                .backend(RedisBackend::connect(&url).await.unwrap())
+                .build()
+                .unwrap()
+        }
+    };
+    let (in_0, in_1) = (quota(0).await, quota(1).await);
+    let lease_0 = in_0.try_acquire("job-1").await.unwrap();
+    let lease_1 = in_1.try_acquire("job-1").await.unwrap();
+    assert_eq!(lease_0.fencing_token(), lease_1.fencing_token());
+    // Database 0 subscribed (in the background) before the cancel is sent.
+    let subscribers = || match server.command(&["PUBSUB", "NUMSUB", "leasehold:{same-name}:events"])
+    {
+        leasehold_testkit::Reply::Array(v) => v.get(1).and_then(|n| n.as_int()).unwrap_or(0),
+        _ => 0,
+    };
+    assert!(
+        common::eventually(Duration::from_secs(2), || subscribers() >= 1).await,
+        "database 0 never subscribed"
+    );
+    in_1.cancel("job-1", "stop the db1 job").await.unwrap();
+    let heard_1 = tokio::time::timeout(Duration::from_millis(500), lease_1.lost()).await;
+    assert!(
+        matches!(heard_1, Ok(LostReason::Cancelled(_))),
+        "database 1's holder heard {heard_1:?}"
+    );
+    let heard_0 = tokio::time::timeout(Duration::from_millis(500), lease_0.lost()).await;
+    assert!(heard_0.is_err(), "database 0's lease was told {heard_0:?}");
+}

@@ -84,6 +84,9 @@ struct Inner {
     options: RedisOptions,
     /// Channel name -> sender of that quota's events, once its SUBSCRIBE is confirmed.
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
+    /// The database number of the URL. Pub/Sub ignores databases, so quotas of one name in two
+    /// databases of one server announce on channels of their own (PROTOCOL.md §3).
+    db: i64,
     /// Held by the subscribe in progress, and by a rebuild while it resubscribes.
     subscribing: tokio::sync::Mutex<()>,
     /// Quota name -> the latest epoch any reply reported, and the highest seq seen in it: what
@@ -98,6 +101,15 @@ struct Inner {
 }
 
 impl Inner {
+    /// The channel of the quota of `keys` in this backend's database: `keys.events` in database
+    /// 0, `keys.events` + `:db<N>` in database N.
+    fn channel(&self, keys: &QuotaKeys) -> String {
+        match self.db {
+            0 => keys.events.clone(),
+            db => format!("{}:db{db}", keys.events),
+        }
+    }
+
     /// Channel name -> sender of that quota's events.
     fn channels(
         &self,
@@ -150,6 +162,7 @@ impl RedisBackend {
         let info = url
             .into_connection_info()
             .map_err(|e| Misconfiguration::InvalidUrl(format!("{:?}: {e}", redacted(url))))?;
+        let db = info.redis_settings().db();
         let settings = info
             .redis_settings()
             .clone()
@@ -192,6 +205,7 @@ impl RedisBackend {
                 push_tx,
                 options: connect_options,
                 channels: Mutex::new(HashMap::new()),
+                db,
                 subscribing: tokio::sync::Mutex::new(()),
                 epochs: Mutex::new(HashMap::new()),
                 acquires: Mutex::new(HashMap::new()),
@@ -789,7 +803,7 @@ impl RedisBackend {
         leases: Vec<(String, String)>,
     ) -> Result<Vec<bool>> {
         let mut args = Vec::with_capacity(1 + 2 * leases.len());
-        args.push(keys.events.clone());
+        args.push(self.inner.channel(keys));
         for (id, token) in &leases {
             args.push(id.clone());
             args.push(token.clone());
@@ -954,7 +968,7 @@ impl Backend for RedisBackend {
                     task_id.to_owned(),
                     reason.to_owned(),
                     marker_ttl.as_millis().max(1).to_string(),
-                    keys.events.clone(),
+                    self.inner.channel(keys),
                 ],
             )
             .await?;
@@ -1008,7 +1022,7 @@ impl Backend for RedisBackend {
 
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
         let this = self.clone();
-        let channel = keys.events.clone();
+        let channel = self.inner.channel(keys);
         // One subscribe at a time, each run to its end on leasehold's runtime whoever stops
         // waiting: a caller that finds the channel's sender knows its SUBSCRIBE was confirmed,
         // since a failed one removes the sender before the next caller looks. (Handing out a
