@@ -224,3 +224,58 @@ async fn an_open_circuit_answers_at_once_even_before_the_first_subscription() {
         "no network wait: {worst:?}"
     );
 }
+
+/// A local lease (granted while Redis was down) hears of a cancel only by message. After an
+/// outage longer than redis-rs's default reconnect budget (about 6 s), the connection must still
+/// come back by itself, subscription included, although this process sends no call at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_lease_hears_a_cancel_after_a_long_outage() {
+    let mut server = RedisServer::start();
+    let quota = quota(&server, "long-outage", BackendDownPolicy::FailOpen).await;
+    // Subscribed while Redis is up.
+    let _ = quota.try_acquire("warm-up").await.unwrap();
+    let channel = "leasehold:{long-outage}:events";
+    let subscribers = |server: &RedisServer| match server.command(&["PUBSUB", "NUMSUB", channel]) {
+        leasehold_testkit::Reply::Array(v) => v.get(1).and_then(|n| n.as_int()).unwrap_or(0),
+        _ => 0,
+    };
+    assert!(eventually(Duration::from_secs(2), || subscribers(&server) == 1).await);
+    server.kill();
+    open_the_circuit(&quota).await;
+    let lease = quota.try_acquire("job").await.unwrap();
+    assert!(lease.is_local());
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    server.restart();
+    let back = Instant::now();
+    assert!(
+        eventually(Duration::from_secs(5), || subscribers(&server) == 1).await,
+        "the subscription never came back with Redis"
+    );
+    println!("resubscribed {:?} after Redis came back", back.elapsed());
+    let operator = RedisBackend::connect(&server.url()).await.unwrap();
+    let operator = Quota::builder("long-outage")
+        .limit(2)
+        .ttl(TTL)
+        .backend(operator)
+        .build()
+        .unwrap();
+    operator.cancel("job", "operator stop").await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
+    assert!(
+        matches!(heard, Ok(leasehold::LostReason::Cancelled(_))),
+        "{heard:?}"
+    );
+}
+
+async fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + within;
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -347,7 +347,13 @@ async fn new_manager(
         .set_connection_timeout(Some(options.connect_timeout))
         .set_response_timeout(Some(options.call_timeout))
         .set_push_sender(push_tx.clone())
-        .set_automatic_resubscription();
+        .set_automatic_resubscription()
+        // Reconnect for as long as it takes, at least once a second: past its default budget
+        // (6 tries, about 6 s) the manager reconnects only when a call is sent, and a process
+        // that only holds local leases sends none, so its subscription, the only way such a
+        // lease hears of a cancel, would stay dead with Redis back.
+        .set_number_of_retries(usize::MAX)
+        .set_max_delay(Duration::from_secs(1));
     tokio::time::timeout(
         timeout,
         ConnectionManager::new_with_config(client.clone(), config),
