@@ -1442,3 +1442,43 @@ async fn events_stay_in_their_database() {
     let heard_0 = tokio::time::timeout(Duration::from_millis(500), lease_0.lost()).await;
     assert!(heard_0.is_err(), "database 0's lease was told {heard_0:?}");
 }
+
+/// Quotas that come and go on one backend (per-tenant names, say) do not pile up
+/// subscriptions: once every handle of a quota is dropped, its channel is let go at the next
+/// subscribe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_quotas_do_not_stay_subscribed() {
+    let server = RedisServer::start();
+    let backend = std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
+    let channels = || match server.command(&["PUBSUB", "CHANNELS", "leasehold:*"]) {
+        leasehold_testkit::Reply::Array(v) => v.len(),
+        _ => 0,
+    };
+    let quota = |name: String| {
+        Quota::builder(name)
+            .limit(1)
+            .ttl(Duration::from_secs(5))
+            .shared_backend(backend.clone())
+            .build()
+            .unwrap()
+    };
+    let mut most = 0;
+    for i in 0..30 {
+        let q = quota(format!("tenant-{i}"));
+        common::warm_up(&q).await;
+        // Subscribed in the background: wait for it, bounded.
+        let channel = format!("leasehold:{{tenant-{i}}}:events");
+        let subscribed = || match server.command(&["PUBSUB", "NUMSUB", &channel]) {
+            leasehold_testkit::Reply::Array(v) => v.get(1).and_then(|n| n.as_int()) == Some(1),
+            _ => false,
+        };
+        assert!(common::eventually(Duration::from_secs(2), subscribed).await);
+        most = most.max(channels());
+        drop(q);
+    }
+    println!("at most {most} channels subscribed while 30 quotas came and went");
+    assert!(
+        most <= 2,
+        "{most} channels stayed subscribed for one live quota"
+    );
+}

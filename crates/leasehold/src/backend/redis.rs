@@ -1039,6 +1039,30 @@ impl Backend for RedisBackend {
             if let Some(sender) = this.inner.channels().get(&channel) {
                 return Ok(sender.subscribe());
             }
+            // Channels nobody listens to any more (every handle of their quota was dropped) are
+            // let go now, so per-tenant quotas that come and go do not pile up subscriptions
+            // (and resubscriptions after each reconnect) for the backend's whole life.
+            let unheard: Vec<String> = {
+                let mut channels = this.inner.channels();
+                let unheard: Vec<String> = channels
+                    .iter()
+                    .filter(|(_, sender)| sender.receiver_count() == 0)
+                    .map(|(name, _)| name.clone())
+                    .collect();
+                for name in &unheard {
+                    channels.remove(name);
+                }
+                unheard
+            };
+            if !unheard.is_empty() {
+                // Best effort: a failure leaves them subscribed, and their messages unrouted.
+                let _ = this
+                    .on_link(
+                        "",
+                        |mut conn| async move { conn.unsubscribe(&unheard).await },
+                    )
+                    .await;
+            }
             // In place before the SUBSCRIBE, so the first messages after it find their way.
             let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
             this.inner.channels().insert(channel.clone(), sender);
