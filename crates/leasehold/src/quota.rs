@@ -771,8 +771,8 @@ impl Shared {
             return;
         }
         let shared = self.clone();
-        // Releases announced before the subscription went unheard; the backend's confirmation
-        // of the subscription (`Resubscribed`) makes every waiter re-check.
+        // Releases announced before the subscription went unheard: once it is in place, every
+        // waiter re-checks (`ensure_listening`).
         runtime::spawn(async move {
             shared.ensure_listening().await;
             shared.subscribing.store(false, Ordering::Release);
@@ -813,6 +813,10 @@ impl Shared {
                             _ = stop.cancelled() => {}
                         }
                     });
+                    // Releases announced before this subscription went unheard, and no
+                    // confirmation may come to say so (a channel another handle already
+                    // subscribed, the memory backend): every waiter checks again now.
+                    self.recheck_all();
                 }
             }
             Err(e) => tracing::debug!(quota = %self.keys.name, error = %e,

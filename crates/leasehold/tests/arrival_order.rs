@@ -1,4 +1,5 @@
-//! Waiters of one process are served in arrival order even when a slot frees while a waiter's
+//! Waiters of one process: they hear of a release that came before their subscription was in
+//! place, and they are served in arrival order even when a slot frees while a waiter's
 //! own attempt is out (its first attempt, or the head's poll): that attempt was sent before the
 //! slot freed and comes back refused, and a younger waiter must not take the slot meanwhile.
 //! The backend is the memory backend, with one task's acquire answers held back 150 ms after
@@ -89,4 +90,32 @@ async fn a_newcomer_refused_before_a_release_goes_before_a_later_one() {
     ra.unwrap();
     rb.unwrap();
     assert_eq!(*race.order.lock().unwrap(), ["a", "b"]);
+}
+
+/// A waiter refused while its quota's subscription is still being made (in the background,
+/// never before an attempt) hears of a release announced before that subscription was in place:
+/// it checks again once subscribed, instead of at its poll (10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_before_the_subscription_is_in_place_still_wakes_the_waiter() {
+    let backend = Arc::new(Switchable::default());
+    let quota = || {
+        Quota::builder("slow-subscribe")
+            .limit(1)
+            .ttl(Duration::from_secs(30))
+            .poll_interval(Duration::from_secs(10))
+            .shared_backend(backend.clone())
+            .build()
+            .unwrap()
+    };
+    let holder = quota().try_acquire("a").await.unwrap();
+    backend.slow_subscribe(true);
+    let waiter = quota();
+    let started = std::time::Instant::now();
+    let b = tokio::spawn(async move { waiter.acquire("b").await });
+    // b was refused; its subscription is still being made when the slot frees.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    holder.release().await.unwrap();
+    let admitted = tokio::time::timeout(Duration::from_secs(3), b).await;
+    assert!(matches!(admitted, Ok(Ok(Ok(_)))), "{admitted:?}");
+    println!("admitted {:?} after it asked", started.elapsed());
 }

@@ -14,7 +14,8 @@ use tokio::sync::{broadcast, Notify};
 
 /// The memory backend, with a switch that takes it "down" (every call fails transiently, as an
 /// unreachable Redis would), one for renewals only, one that delivers some tasks' acquire
-/// answers late (decided at once, answered after [`LATE_ANSWER`]), and one that holds releases back: they fail as if they timed out,
+/// answers late (decided at once, answered after [`LATE_ANSWER`]), one that makes subscribes
+/// take that long, and one that holds releases back: they fail as if they timed out,
 /// and reach the backend only when the test delivers them, as a proxy that held a replaced
 /// connection's bytes would.
 #[derive(Debug, Default)]
@@ -25,6 +26,7 @@ pub struct Switchable {
     hold_back_releases: AtomicBool,
     held_back: Mutex<Vec<(QuotaKeys, String, Option<u64>)>>,
     answered_late: Mutex<HashSet<String>>,
+    slow_subscribe: AtomicBool,
     /// Notified when an acquire answer that will come late was decided.
     pub decided_late: Notify,
 }
@@ -59,6 +61,11 @@ impl Switchable {
             }
             None => late.clear(),
         }
+    }
+
+    /// Subscribes take [`LATE_ANSWER`] (a slow link, or one queued behind other subscribes).
+    pub fn slow_subscribe(&self, slow: bool) {
+        self.slow_subscribe.store(slow, Ordering::SeqCst);
     }
 
     pub fn hold_back_releases(&self, hold: bool) {
@@ -142,6 +149,9 @@ impl Backend for Switchable {
     }
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
         self.up()?;
+        if self.slow_subscribe.load(Ordering::SeqCst) {
+            tokio::time::sleep(LATE_ANSWER).await;
+        }
         self.inner.subscribe(keys).await
     }
 }
