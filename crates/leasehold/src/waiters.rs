@@ -134,6 +134,14 @@ impl WaitQueue {
         drop(replaced);
     }
 
+    /// Like [`wake_one`](Self::wake_one), for a re-check: it promises no freed slot.
+    fn recheck_one(&self) {
+        let queue = self.lock();
+        if let Some(w) = next_in_line(&queue).or_else(|| keeper(&queue)) {
+            w.ask();
+        }
+    }
+
     /// Something may have been missed (lagging events, a resubscription): everyone re-checks.
     pub(crate) fn wake_all(&self) {
         for w in self.lock().iter() {
@@ -245,12 +253,14 @@ impl Drop for Place<'_> {
             was_head = queue.front().is_some_and(|w| Arc::ptr_eq(w, &self.waiter));
             queue.retain(|w| !Arc::ptr_eq(w, &self.waiter));
         }
-        if self.waiter.attempt.load(Ordering::Acquire)
-            && self.waiter.promised.load(Ordering::Acquire)
-        {
-            // We leave with a freed slot's wake-up we did not use: pass it on. (A re-check
-            // asked everyone already.)
-            self.queue.wake_one();
+        if self.waiter.attempt.load(Ordering::Acquire) {
+            // We leave with a wake-up we did not use: pass it on, as what it was (a freed slot,
+            // or a re-check that waiters who joined since never got).
+            if self.waiter.promised.load(Ordering::Acquire) {
+                self.queue.wake_one();
+            } else {
+                self.queue.recheck_one();
+            }
         } else if was_head {
             self.queue.promote_head();
         }
@@ -376,6 +386,25 @@ mod tests {
         let (b, b_tries) = q.join("b", false);
         assert!(b_tries, "newcomers do not queue behind a re-check");
         drop((a, b));
+    }
+
+    #[tokio::test]
+    async fn an_unused_re_check_is_passed_on_as_a_re_check() {
+        let q = WaitQueue::default();
+        let a = in_line(&q);
+        q.wake_all(); // a re-check for everyone in line: only `a`
+        let b = in_line(&q); // joins after it
+        drop(a); // leaves without using it
+        let within = |f| tokio::time::timeout(Duration::from_millis(100), f);
+        assert!(
+            matches!(within(b.woken()).await, Ok(true)),
+            "b checks instead"
+        );
+        let (_c, c_tries) = q.join("c", false);
+        assert!(
+            !c_tries,
+            "a passed re-check promises b no slot, but b is in line"
+        );
     }
 
     #[tokio::test]
