@@ -167,7 +167,7 @@ impl Terminal {
 }
 
 /// True if this process leads its process group and no other process is in it.
-fn alone_in_own_group() -> bool {
+pub fn alone_in_own_group() -> bool {
     // SAFETY: getpid(2) cannot fail.
     let me = unsafe { libc::getpid() };
     let group = own_group();
@@ -212,8 +212,10 @@ unsafe fn foreground(fd: i32, pgrp: i32) {
 /// How the command stands to the controlling terminal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TerminalRole {
-    /// No controlling terminal.
-    Without,
+    /// No controlling terminal, or `leasehold run` is a job of its own in the background (`&`):
+    /// job control works for the command as for any job (a read stops the job, `fg` hands the
+    /// terminal over).
+    AsAnyJob,
     /// The command takes the terminal (this descriptor) itself before it runs.
     Foreground(i32),
     /// A terminal is there but stays with the group `leasehold run` shares (a pipeline, a
@@ -245,7 +247,7 @@ pub fn prepare(command: &mut tokio::process::Command, role: TerminalRole, restor
                 return Err(std::io::Error::other("leasehold run exited"));
             }
             match role {
-                TerminalRole::Without => {}
+                TerminalRole::AsAnyJob => {}
                 TerminalRole::Foreground(fd) => foreground(fd, libc::getpgrp()),
                 TerminalRole::KeptOut => {
                     libc::signal(libc::SIGTTIN, libc::SIG_IGN);

@@ -69,8 +69,9 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
     let hand_over = terminal.as_ref().filter(|t| t.may_hand_over());
     let role = match (&terminal, hand_over) {
         (_, Some(terminal)) => TerminalRole::Foreground(terminal.raw_fd()),
-        (Some(_), None) => TerminalRole::KeptOut,
-        (None, None) => TerminalRole::Without,
+        // A pipeline stage or a command of a script: no `fg` can ever reach the command.
+        (Some(_), None) if !job::alone_in_own_group() => TerminalRole::KeptOut,
+        _ => TerminalRole::AsAnyJob,
     };
     let mut child = match spawn(&args, &quota, &lease, role, signals.restore_ttou()) {
         Ok(child) => child,

@@ -308,6 +308,46 @@ fn a_command_kept_out_of_the_terminal_cannot_hang_on_it() {
     }
 }
 
+/// Which of SIGTTIN and SIGTTOU the command ignores, as `leasehold run` started by `sh -c line`
+/// in a terminal shows it (`grep SigIgn /proc/self/status` as the command).
+fn terminal_stops_ignored(server: &RedisServer, line: &str) -> (bool, bool) {
+    let mut shell = std::process::Command::new("sh");
+    shell
+        .args(["-c", line])
+        .env("RUN", env!("CARGO_BIN_EXE_leasehold"))
+        .env("LEASEHOLD_REDIS_URL", server.url())
+        .env("LEASEHOLD_QUOTA", "sigign");
+    let shown = InTerminal::spawn(shell).wait(Duration::from_secs(15));
+    let mask = shown
+        .text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("SigIgn:"))
+        .map(|m| u64::from_str_radix(m.trim(), 16).unwrap())
+        .unwrap_or_else(|| panic!("{line}: no SigIgn line in {:?}", shown.text));
+    let ignored = |sig: i32| mask & (1 << (sig - 1)) != 0;
+    (ignored(libc::SIGTTIN), ignored(libc::SIGTTOU))
+}
+
+/// Only a command kept out of the terminal for good (a stage of a pipeline, a command of a
+/// script) ignores the terminal's stops; a run that is a job of its own in the background (`&`
+/// with job control) leaves them to job control: a read stops the job, and `fg` hands the
+/// terminal over.
+#[test]
+fn only_a_command_no_fg_can_reach_ignores_the_terminals_stops() {
+    let server = RedisServer::start();
+    let show = "run --limit 1 -- grep SigIgn /proc/self/status";
+    assert_eq!(
+        terminal_stops_ignored(&server, &format!("$RUN {show}; true")),
+        (true, true),
+        "a command of a script"
+    );
+    assert_eq!(
+        terminal_stops_ignored(&server, &format!("set -m; $RUN {show} & wait")),
+        (false, false),
+        "a background job of its own"
+    );
+}
+
 /// `leasehold run` ignores SIGTTOU (a background write with `stty tostop` would stop it, or
 /// caught, spin), and its command gets the default back.
 #[test]
