@@ -164,7 +164,7 @@ impl QuotaBuilder {
     }
 
     /// How often leases are renewed. Default ttl / 3; must leave room for a renewal to arrive
-    /// before the local deadline (ttl − safety margin).
+    /// before the local deadline (ttl in whole ms − 1 ms − safety margin).
     pub fn heartbeat(mut self, every: Duration) -> Self {
         self.heartbeat = Some(every);
         self
@@ -272,10 +272,14 @@ impl QuotaBuilder {
             .into());
         }
         let heartbeat = self.heartbeat.unwrap_or(self.ttl / 3);
-        if heartbeat.is_zero() || heartbeat >= self.ttl - safety_margin {
+        // What a renewal grants the holder (see `QuotaConfig::local_deadline`): a heartbeat as
+        // long would lose every lease before its first renewal.
+        let validity = Duration::from_millis(self.ttl.as_millis() as u64)
+            .saturating_sub(Duration::from_millis(1) + safety_margin);
+        if heartbeat.is_zero() || heartbeat >= validity {
             return Err(timing(format!(
-                "heartbeat {heartbeat:?} must be above zero and below ttl − safety margin {:?}",
-                self.ttl - safety_margin
+                "heartbeat {heartbeat:?} must be above zero and below what a renewal grants, \
+                 {validity:?} (ttl in whole ms − 1 ms − safety margin)"
             ))
             .into());
         }
@@ -365,6 +369,9 @@ mod tests {
                 .heartbeat(Duration::from_secs(1))
         ));
         assert!(misconfigured(q().heartbeat(Duration::ZERO)));
+        // ttl 10 s, margin 500 ms: a renewal grants 9499 ms.
+        assert!(misconfigured(q().heartbeat(Duration::from_millis(9499))));
+        assert!(!misconfigured(q().heartbeat(Duration::from_millis(9498))));
         assert!(misconfigured(q().safety_margin(Duration::from_secs(6))));
         assert!(misconfigured(
             q().cancel_marker_ttl(Duration::from_secs(19))
