@@ -212,6 +212,7 @@ impl RedisBackend {
                 releases: Mutex::new(HashMap::new()),
             });
             tokio::spawn(dispatch_pushes(Arc::downgrade(&inner), push_rx));
+            tokio::spawn(keep_subscriptions_alive(Arc::downgrade(&inner)));
             let backend = RedisBackend { inner };
             // Surface authentication and permission problems now, not at the first acquire.
             backend.call_raw(redis::cmd("PING")).await?;
@@ -347,13 +348,7 @@ async fn new_manager(
         .set_connection_timeout(Some(options.connect_timeout))
         .set_response_timeout(Some(options.call_timeout))
         .set_push_sender(push_tx.clone())
-        .set_automatic_resubscription()
-        // Reconnect for as long as it takes, at least once a second: past its default budget
-        // (6 tries, about 6 s) the manager reconnects only when a call is sent, and a process
-        // that only holds local leases sends none, so its subscription, the only way such a
-        // lease hears of a cancel, would stay dead with Redis back.
-        .set_number_of_retries(usize::MAX)
-        .set_max_delay(Duration::from_secs(1));
+        .set_automatic_resubscription();
     tokio::time::timeout(
         timeout,
         ConnectionManager::new_with_config(client.clone(), config),
@@ -426,6 +421,29 @@ fn rebuild(inner: Arc<Inner>) -> std::pin::Pin<Box<dyn std::future::Future<Outpu
 }
 
 /// Routes RESP3 push messages to the quota whose channel they came from.
+/// How often a backend with subscriptions and nothing else to say pings its connection.
+const KEEP_ALIVE: Duration = Duration::from_secs(1);
+
+/// Pings the connection once a second while some quota listens, until the backend is dropped.
+///
+/// After a disconnection redis-rs retries a few times (about 6 s), then reconnects only when a
+/// call is sent. A process that only holds local leases sends none, and its subscription, the
+/// only way such a lease hears of a cancel, would stay dead with Redis back. Unlimited retries
+/// inside redis-rs would instead outlive a dropped backend for as long as Redis stays away.
+async fn keep_subscriptions_alive(inner: Weak<Inner>) {
+    loop {
+        tokio::time::sleep(KEEP_ALIVE).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        if inner.channels().is_empty() {
+            continue;
+        }
+        let backend = RedisBackend { inner };
+        let _ = backend.call_raw(redis::cmd("PING")).await;
+    }
+}
+
 async fn dispatch_pushes(inner: Weak<Inner>, mut pushes: mpsc::UnboundedReceiver<PushInfo>) {
     while let Some(push) = pushes.recv().await {
         let Some(inner) = inner.upgrade() else { return };
