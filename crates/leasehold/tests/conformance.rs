@@ -50,6 +50,7 @@ conformance!(
     a_higher_limit_version_applies_to_every_client,
     the_same_version_with_another_limit_is_a_typed_error_and_takes_no_slot,
     a_held_task_is_answered_held_despite_a_limit_mismatch,
+    an_acquire_answered_cancelled_still_reaps_expired_leases,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -1203,4 +1204,39 @@ async fn a_held_task_is_answered_held_despite_a_limit_mismatch(fx: Fixture) {
     let snapshot = fx.backend.snapshot(&keys).await.unwrap();
     assert_eq!(snapshot.holders.len(), 1);
     assert_eq!(snapshot.limit, Some(versioned(2, 7)));
+}
+
+/// Every acquire reaps the quota's expired leases first, whatever it answers (PROTOCOL §5.2):
+/// one answered "cancelled" too, so an expired lease is gone for a release that follows.
+async fn an_acquire_answered_cancelled_still_reaps_expired_leases(fx: Fixture) {
+    let keys = fx.keys();
+    let limit = versioned(2, 0);
+    let short = Duration::from_millis(150);
+    let AcquireReply::Acquired(a) = fx
+        .backend
+        .acquire_with_limit(&keys, "a", short, limit)
+        .await
+        .unwrap()
+    else {
+        panic!("a not admitted")
+    };
+    fx.backend
+        .cancel(&keys, "c", "not wanted", Duration::from_secs(60))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await; // a has expired
+    let answer = fx
+        .backend
+        .acquire_with_limit(&keys, "c", short, limit)
+        .await
+        .unwrap();
+    assert!(
+        matches!(answer, AcquireReply::Cancelled { .. }),
+        "{answer:?}"
+    );
+    let released = fx.backend.release(&keys, "a", Some(a.token)).await.unwrap();
+    assert!(
+        !released,
+        "the expired lease was not reaped by the cancelled acquire"
+    );
 }

@@ -94,7 +94,8 @@ impl QuotaState {
     }
 
     fn cancel_reason(&mut self, task_id: &str, now: u64) -> Option<String> {
-        self.cancelled.retain(|_, (_, expires)| *expires > now);
+        // Redis keeps a key with a TTL up to its expiry millisecond included.
+        self.cancelled.retain(|_, (_, expires)| *expires >= now);
         self.cancelled
             .get(task_id)
             .map(|(reason, _)| reason.clone())
@@ -189,10 +190,12 @@ impl Backend for MemoryBackend {
             // Settled first, as the script does once per call: whatever the answer, a higher
             // version is stored, and cancelled or held ids are answered whatever the limits say.
             let settled = q.settle_limit(limit);
+            // Reaped before any answer, as the script does once per call: an acquire answered
+            // "cancelled" reaps too.
+            q.leases.retain(|_, s| s.deadline_ms > now);
             if let Some(reason) = q.cancel_reason(task_id, now) {
                 return AcquireReply::Cancelled { reason };
             }
-            q.leases.retain(|_, s| s.deadline_ms > now);
             if let Some(s) = q.leases.get_mut(task_id) {
                 s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
                 return AcquireReply::Held(record(task_id, *s, now, q.epochs.id()));
