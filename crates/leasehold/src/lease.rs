@@ -15,7 +15,7 @@ use crate::runtime;
 /// A held slot of a [`Quota`](crate::Quota).
 ///
 /// While a `Lease` lives, leasehold renews it in the background (one batched call per heartbeat
-/// for all leases of the quota in this process). Dropping it releases the slot in the background;
+/// for all leases admitted through one [`Quota`](crate::Quota) handle and its clones). Dropping it releases the slot in the background;
 /// [`release`](Lease::release) does it now and reports errors. Clones of a `Lease` (and handles
 /// returned by an idempotent re-acquire of the same task id) share one lease: it is released when
 /// the last of them is dropped, or at the first explicit `release`.

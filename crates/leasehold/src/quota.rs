@@ -268,7 +268,11 @@ impl Quota {
         }
     }
 
-    /// Waits for a slot as long as it takes. Waiters of one handle (and its clones) are served in
+    /// Waits for a slot as long as it takes. Call it from a Tokio runtime with its timer enabled
+    /// (`enable_time`, as `#[tokio::main]` does): waiting sleeps on the caller's runtime.
+    /// [`try_acquire`](Self::try_acquire), `release` and `status` need no runtime of their own.
+    ///
+    /// Waiters of one handle (and its clones) are served in
     /// arrival order; they are woken by release events, by a timer to the earliest lease
     /// deadline, and by a bounded, jittered poll in case an event was lost. Order is kept
     /// among the waiters this process knows to be waiting: a newcomer whose first attempt is
@@ -286,6 +290,7 @@ impl Quota {
     }
 
     /// Like [`acquire`](Self::acquire), but gives up after `timeout` with [`Error::TimedOut`].
+    /// Like `acquire`, it needs a Tokio runtime with its timer enabled.
     /// An attempt still in flight at that moment is not lost: if its late reply admits the task,
     /// the slot is released in the background.
     pub async fn acquire_timeout(&self, task_id: &str, timeout: Duration) -> Result<Lease> {
