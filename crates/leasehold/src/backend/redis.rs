@@ -100,7 +100,38 @@ struct Inner {
     releases: Mutex<HashMap<String, Arc<Queue<ReleaseBatcher>>>>,
 }
 
+/// The quota name of an event channel (`leasehold:{<name>}:events`, maybe with `:db<N>`).
+fn quota_of_channel(channel: &str) -> Option<&str> {
+    let rest = channel.strip_prefix("leasehold:{")?;
+    let (name, _) = rest.rsplit_once("}:events")?;
+    Some(name)
+}
+
 impl Inner {
+    /// Drops the per-name state (the epoch seen, the batching queues) of quotas this process
+    /// no longer uses. A call still under way keeps its own queue and ends as it would have.
+    fn forget_quotas<'a>(&self, names: impl Iterator<Item = &'a str>) {
+        let names: Vec<&str> = names.collect();
+        if names.is_empty() {
+            return;
+        }
+        // One map at a time: no other path holds two of these locks, and none must wait here.
+        let mut epochs = self.epochs.lock().unwrap_or_else(|e| e.into_inner());
+        for name in &names {
+            epochs.remove(*name);
+        }
+        drop(epochs);
+        let mut acquires = self.acquires.lock().unwrap_or_else(|e| e.into_inner());
+        for name in &names {
+            acquires.remove(*name);
+        }
+        drop(acquires);
+        let mut releases = self.releases.lock().unwrap_or_else(|e| e.into_inner());
+        for name in &names {
+            releases.remove(*name);
+        }
+    }
+
     /// The channel of the quota of `keys` in this backend's database: `keys.events` in database
     /// 0, `keys.events` + `:db<N>` in database N.
     fn channel(&self, keys: &QuotaKeys) -> String {
@@ -1072,6 +1103,11 @@ impl Backend for RedisBackend {
                 }
                 unheard
             };
+            // Nobody listens: no handle of the quota and no lease of it is left in this process,
+            // so its per-name state goes too (a later handle starts afresh, as a new process
+            // would).
+            this.inner
+                .forget_quotas(unheard.iter().filter_map(|c| quota_of_channel(c)));
             if !unheard.is_empty() {
                 // Best effort: a failure leaves them subscribed, and their messages unrouted.
                 let _ = this
@@ -1124,6 +1160,17 @@ mod tests {
         // A reply sent before the loss arrives last: ignored.
         assert_eq!(seen.observe("1796225334.152102", 9), Observed::Earlier);
         assert_eq!((seen.id.as_str(), seen.seq), ("1796225340.9", 1));
+    }
+
+    #[test]
+    fn a_channel_names_its_quota() {
+        use super::quota_of_channel;
+        assert_eq!(
+            quota_of_channel("leasehold:{llm:gpt}:events"),
+            Some("llm:gpt")
+        );
+        assert_eq!(quota_of_channel("leasehold:{a}:events:db3"), Some("a"));
+        assert_eq!(quota_of_channel("other"), None);
     }
 
     #[test]
