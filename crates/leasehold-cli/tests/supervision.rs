@@ -246,15 +246,21 @@ fn groups_seen(shown: &Shown) -> (i64, i64) {
     (fields[1], fields[4])
 }
 
+/// `sh -c line`, where `$RUN` is `leasehold` on `server`'s quota `quota`.
+fn shell_running(server: &RedisServer, quota: &str, line: &str) -> std::process::Command {
+    let mut shell = std::process::Command::new("sh");
+    shell
+        .args(["-c", line])
+        .env("RUN", env!("CARGO_BIN_EXE_leasehold"))
+        .env("LEASEHOLD_REDIS_URL", server.url())
+        .env("LEASEHOLD_QUOTA", quota);
+    shell
+}
+
 /// The groups a `leasehold run` command sees when started by `sh -c shell_line` in a terminal,
 /// where `$RUN` is that run.
 fn groups_under_a_shell(server: &RedisServer, shell_line: &str) -> (i64, i64) {
-    let mut shell = std::process::Command::new("sh");
-    shell
-        .args(["-c", shell_line])
-        .env("RUN", env!("CARGO_BIN_EXE_leasehold"))
-        .env("LEASEHOLD_REDIS_URL", server.url())
-        .env("LEASEHOLD_QUOTA", "tpgid");
+    let shell = shell_running(server, "tpgid", shell_line);
     groups_seen(&InTerminal::spawn(shell).wait(Duration::from_secs(15)))
 }
 
@@ -288,13 +294,7 @@ fn a_command_kept_out_of_the_terminal_cannot_hang_on_it() {
         "$RUN run --limit 1 -- sh -c 'read x; echo read:$?'; echo after:$?",
         "stty tostop; $RUN run --limit 1 -- sh -c 'echo wrote; read x; echo read:$?' | cat; echo after:$?",
     ] {
-        let mut shell = std::process::Command::new("sh");
-        shell
-            .args(["-c", line])
-            .env("RUN", env!("CARGO_BIN_EXE_leasehold"))
-            .env("LEASEHOLD_REDIS_URL", server.url())
-            .env("LEASEHOLD_QUOTA", "kept-out");
-        let mut terminal = InTerminal::spawn(shell);
+        let mut terminal = InTerminal::spawn(shell_running(&server, "kept-out", line));
         terminal.type_in(b"typed\n");
         let shown = terminal.wait(Duration::from_secs(15));
         let text = &shown.text;
@@ -311,13 +311,8 @@ fn a_command_kept_out_of_the_terminal_cannot_hang_on_it() {
 /// Which of SIGTTIN and SIGTTOU the command ignores, as `leasehold run` started by `sh -c line`
 /// in a terminal shows it (`grep SigIgn /proc/self/status` as the command).
 fn terminal_stops_ignored(server: &RedisServer, line: &str) -> (bool, bool) {
-    let mut shell = std::process::Command::new("sh");
-    shell
-        .args(["-c", line])
-        .env("RUN", env!("CARGO_BIN_EXE_leasehold"))
-        .env("LEASEHOLD_REDIS_URL", server.url())
-        .env("LEASEHOLD_QUOTA", "sigign");
-    let shown = InTerminal::spawn(shell).wait(Duration::from_secs(15));
+    let shown =
+        InTerminal::spawn(shell_running(server, "sigign", line)).wait(Duration::from_secs(15));
     let mask = shown
         .text
         .lines()

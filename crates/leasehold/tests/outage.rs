@@ -1,8 +1,11 @@
 //! Redis down: the backend-down policies, the short-circuit, holders through a short outage, and
 //! dataset loss on a real restart without persistence.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{eventually, subscribers};
 use leasehold::{BackendDownPolicy, BreakerConfig, BreakerMode, Error, Quota, RedisBackend};
 use leasehold_testkit::RedisServer;
 
@@ -233,13 +236,13 @@ async fn a_local_lease_hears_a_cancel_after_a_long_outage() {
     let mut server = RedisServer::start();
     let quota = quota(&server, "long-outage", BackendDownPolicy::FailOpen).await;
     // Subscribed while Redis is up.
-    let _ = quota.try_acquire("warm-up").await.unwrap();
+    common::warm_up(&quota).await;
     let channel = "leasehold:{long-outage}:events";
-    let subscribers = |server: &RedisServer| match server.command(&["PUBSUB", "NUMSUB", channel]) {
-        leasehold_testkit::Reply::Array(v) => v.get(1).and_then(|n| n.as_int()).unwrap_or(0),
-        _ => 0,
-    };
-    assert!(eventually(Duration::from_secs(2), || subscribers(&server) == 1).await);
+    assert!(
+        eventually(Duration::from_secs(2), || subscribers(&server, channel)
+            == 1)
+        .await
+    );
     server.kill();
     open_the_circuit(&quota).await;
     let lease = quota.try_acquire("job").await.unwrap();
@@ -248,7 +251,9 @@ async fn a_local_lease_hears_a_cancel_after_a_long_outage() {
     server.restart();
     let back = Instant::now();
     assert!(
-        eventually(Duration::from_secs(5), || subscribers(&server) == 1).await,
+        eventually(Duration::from_secs(5), || subscribers(&server, channel)
+            == 1)
+        .await,
         "the subscription never came back with Redis"
     );
     println!("resubscribed {:?} after Redis came back", back.elapsed());
@@ -265,17 +270,4 @@ async fn a_local_lease_hears_a_cancel_after_a_long_outage() {
         matches!(heard, Ok(leasehold::LostReason::Cancelled(_))),
         "{heard:?}"
     );
-}
-
-async fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + within;
-    loop {
-        if check() {
-            return true;
-        }
-        if Instant::now() >= end {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }

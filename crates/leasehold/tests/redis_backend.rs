@@ -1424,13 +1424,11 @@ async fn events_stay_in_their_database() {
     let lease_1 = in_1.try_acquire("job-1").await.unwrap();
     assert_eq!(lease_0.fencing_token(), lease_1.fencing_token());
     // Database 0 subscribed (in the background) before the cancel is sent.
-    let subscribers = || match server.command(&["PUBSUB", "NUMSUB", "leasehold:{same-name}:events"])
-    {
-        leasehold_testkit::Reply::Array(v) => v.get(1).and_then(|n| n.as_int()).unwrap_or(0),
-        _ => 0,
-    };
     assert!(
-        common::eventually(Duration::from_secs(2), || subscribers() >= 1).await,
+        common::eventually(Duration::from_secs(2), || {
+            common::subscribers(&server, "leasehold:{same-name}:events") >= 1
+        })
+        .await,
         "database 0 never subscribed"
     );
     in_1.cancel("job-1", "stop the db1 job").await.unwrap();
@@ -1468,10 +1466,7 @@ async fn dropped_quotas_do_not_stay_subscribed() {
         common::warm_up(&q).await;
         // Subscribed in the background: wait for it, bounded.
         let channel = format!("leasehold:{{tenant-{i}}}:events");
-        let subscribed = || match server.command(&["PUBSUB", "NUMSUB", &channel]) {
-            leasehold_testkit::Reply::Array(v) => v.get(1).and_then(|n| n.as_int()) == Some(1),
-            _ => false,
-        };
+        let subscribed = || common::subscribers(&server, &channel) == 1;
         assert!(common::eventually(Duration::from_secs(2), subscribed).await);
         most = most.max(channels());
         drop(q);
@@ -1499,13 +1494,7 @@ fn a_backend_dropped_during_an_outage_stops_reconnecting() {
             .backend(RedisBackend::connect(&server.url()).await.unwrap())
             .build()
             .unwrap();
-        quota
-            .try_acquire("a")
-            .await
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
+        common::warm_up(&quota).await;
         server.kill();
         // The connection notices and starts reconnecting; then every handle goes.
         tokio::time::sleep(Duration::from_secs(1)).await;

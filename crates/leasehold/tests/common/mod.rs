@@ -93,6 +93,14 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// How many clients subscribe to `channel` on `server` (`PUBSUB NUMSUB`).
+pub fn subscribers(server: &RedisServer, channel: &str) -> i64 {
+    match server.command(&["PUBSUB", "NUMSUB", channel]) {
+        leasehold_testkit::Reply::Array(v) => v.get(1).and_then(|n| n.as_int()).unwrap_or(0),
+        _ => 0,
+    }
+}
+
 /// Polls `check` every 10 ms until it is true or `within` passes; returns whether it became true.
 pub async fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + within;
