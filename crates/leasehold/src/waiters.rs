@@ -10,8 +10,7 @@
 //! waiter.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -30,21 +29,43 @@ pub(crate) struct WaitQueue {
 pub(crate) struct Waiter {
     task_id: String,
     notify: Notify,
-    /// Set by a wake-up that asks this waiter to attempt; cleared when it takes it.
-    attempt: AtomicBool,
-    /// Set with `attempt` when the wake-up says a slot freed (not a mere re-check): a newcomer
-    /// holding one is owed that slot, so later newcomers queue behind it.
-    promised: AtomicBool,
-    /// True while the waiter is attempting.
-    busy: AtomicBool,
-    /// True while the attempt out is one the waiter made on its own (not for a wake-up): it may
-    /// have been sent before a slot freed, so a wake-up is still this waiter's.
-    own_attempt: AtomicBool,
-    /// True during a newcomer's first attempt, made at once: it is not in line yet, so other
-    /// newcomers may try at once too.
-    newcomer: AtomicBool,
+    state: Mutex<WaiterState>,
     /// An attempt the waker already started on this waiter's behalf (see `wake_one_starting`).
     started: Mutex<Option<StartedAttempt>>,
+}
+
+#[derive(Debug, Default)]
+struct WaiterState {
+    /// A wake-up this waiter has not taken yet.
+    asked: Asked,
+    doing: Doing,
+    /// True during a newcomer's first attempt, made at once: it is not in line yet, so other
+    /// newcomers may try at once too.
+    newcomer: bool,
+}
+
+/// A wake-up that asks a waiter to attempt, kept until the waiter takes it.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Asked {
+    #[default]
+    Nothing,
+    /// Something may have been missed (lagging events, a resubscription, a cancel).
+    Recheck,
+    /// A slot freed. A newcomer holding this is owed the slot, so later newcomers queue behind
+    /// it.
+    FreedSlot,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Doing {
+    /// In line, taking wake-ups.
+    #[default]
+    Waiting,
+    /// Out on an attempt of its own (its first, a poll, its expiry timer): sent maybe before a
+    /// slot freed, so a wake-up for that slot is still this waiter's.
+    OwnAttempt,
+    /// Out on an attempt a wake-up asked for.
+    WokenAttempt,
 }
 
 /// A place in the queue; leaving it (drop) hands any pending wake-up to the next waiter.
@@ -78,14 +99,21 @@ impl WaitQueue {
     pub(crate) fn join(&self, task_id: &str, skip_line: bool) -> (Place<'_>, bool) {
         let mut queue = self.lock();
         let trying = skip_line
-            || queue
-                .iter()
-                .all(|w| w.newcomer.load(Ordering::Acquire) && !w.promised.load(Ordering::Acquire));
+            || queue.iter().all(|w| {
+                let state = w.state();
+                state.newcomer && state.asked != Asked::FreedSlot
+            });
         let waiter = Arc::new(Waiter {
             task_id: task_id.to_owned(),
-            busy: AtomicBool::new(trying),
-            own_attempt: AtomicBool::new(trying),
-            newcomer: AtomicBool::new(trying),
+            state: Mutex::new(WaiterState {
+                asked: Asked::Nothing,
+                doing: if trying {
+                    Doing::OwnAttempt
+                } else {
+                    Doing::Waiting
+                },
+                newcomer: trying,
+            }),
             ..Waiter::default()
         });
         queue.push_back(waiter.clone());
@@ -97,16 +125,16 @@ impl WaitQueue {
         (place, trying)
     }
 
-    /// A slot may have freed: the earliest waiter not already attempting should try. If all are
-    /// attempting, one keeps the wake-up for its next round (see [`keeper`]) so none is lost.
-    pub(crate) fn wake_one(&self) {
+    /// Gives `asked` to the earliest waiter in line (`next_in_line`); if all are attempting, one
+    /// keeps it for its next round (see [`keeper`]) so none is lost.
+    fn pass_on(&self, asked: Asked) {
         let queue = self.lock();
         if let Some(w) = next_in_line(&queue).or_else(|| keeper(&queue)) {
-            w.promise();
+            w.ask(asked);
         }
     }
 
-    /// A slot was freed: like [`wake_one`](Self::wake_one), but the chosen idle waiter's attempt
+    /// A slot was freed: like [`pass_on`](Self::pass_on), but the chosen idle waiter's attempt
     /// is started here, by `start`, so it leaves at once from where the news arrived instead of
     /// after a hop to the waiter's own runtime and back.
     pub(crate) fn wake_one_starting(&self, start: impl FnOnce(&str) -> StartedAttempt) {
@@ -118,41 +146,33 @@ impl WaitQueue {
         {
             let queue = self.lock();
             if let Some(w) = next_in_line(&queue) {
-                if !w.busy.load(Ordering::Acquire) {
+                if w.state().doing == Doing::Waiting {
                     replaced = w
                         .started
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .replace(start(&w.task_id));
                 }
-                // Busy on its own attempt: it tries again at once if that one is refused.
-                w.promise();
+                // Out on its own attempt: it tries again at once if that one is refused.
+                w.ask(Asked::FreedSlot);
             } else if let Some(w) = keeper(&queue) {
-                w.promise();
+                w.ask(Asked::FreedSlot);
             }
         }
         drop(replaced);
     }
 
-    /// Like [`wake_one`](Self::wake_one), for a re-check: it promises no freed slot.
-    fn recheck_one(&self) {
-        let queue = self.lock();
-        if let Some(w) = next_in_line(&queue).or_else(|| keeper(&queue)) {
-            w.ask();
-        }
-    }
-
     /// Something may have been missed (lagging events, a resubscription): everyone re-checks.
     pub(crate) fn wake_all(&self) {
         for w in self.lock().iter() {
-            w.ask();
+            w.ask(Asked::Recheck);
         }
     }
 
     /// The waiters for `task_id` re-check (the task was cancelled); the others keep their turn.
     pub(crate) fn wake_task(&self, task_id: &str) {
         for w in self.lock().iter().filter(|w| w.task_id == task_id) {
-            w.ask();
+            w.ask(Asked::Recheck);
         }
     }
 
@@ -165,16 +185,20 @@ impl WaitQueue {
 }
 
 impl Waiter {
-    /// Asks this waiter to attempt (now, or after the attempt it is making).
-    fn ask(&self) {
-        self.attempt.store(true, Ordering::Release);
-        self.notify.notify_one();
+    fn state(&self) -> MutexGuard<'_, WaiterState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Asks this waiter to attempt because a slot freed.
-    fn promise(&self) {
-        self.promised.store(true, Ordering::Release);
-        self.ask();
+    /// Asks this waiter to attempt (now, or after the attempt it is making). A freed slot
+    /// already promised is not turned into a mere re-check.
+    fn ask(&self, asked: Asked) {
+        {
+            let mut state = self.state();
+            if state.asked != Asked::FreedSlot {
+                state.asked = asked;
+            }
+        }
+        self.notify.notify_one();
     }
 }
 
@@ -182,8 +206,8 @@ impl Waiter {
 /// idle, or out on an attempt of its own.
 fn next_in_line(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
     queue.iter().find(|w| {
-        !w.attempt.load(Ordering::Acquire)
-            && (!w.busy.load(Ordering::Acquire) || w.own_attempt.load(Ordering::Acquire))
+        let state = w.state();
+        state.asked == Asked::Nothing && state.doing != Doing::WokenAttempt
     })
 }
 
@@ -193,7 +217,7 @@ fn next_in_line(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
 fn keeper(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
     queue
         .iter()
-        .find(|w| !w.attempt.load(Ordering::Acquire))
+        .find(|w| w.state().asked == Asked::Nothing)
         .or_else(|| queue.front())
 }
 
@@ -210,21 +234,19 @@ impl Place<'_> {
     /// false for a mere re-check.
     pub(crate) async fn woken(&self) -> bool {
         self.waiter.notify.notified().await;
-        let attempt = self.waiter.attempt.swap(false, Ordering::AcqRel);
+        let mut state = self.waiter.state();
+        let attempt = std::mem::take(&mut state.asked) != Asked::Nothing;
         if attempt {
-            self.waiter.promised.store(false, Ordering::Release);
-            self.waiter.own_attempt.store(false, Ordering::Release);
-            self.waiter.busy.store(true, Ordering::Release);
+            state.doing = Doing::WokenAttempt;
         }
         attempt
     }
 
     /// Marks the waiter busy for an attempt it makes on its own (timer or poll).
     pub(crate) fn attempting(&self) {
-        self.waiter.promised.store(false, Ordering::Release);
-        self.waiter.own_attempt.store(true, Ordering::Release);
-        self.waiter.busy.store(true, Ordering::Release);
-        self.waiter.attempt.store(false, Ordering::Release);
+        let mut state = self.waiter.state();
+        state.asked = Asked::Nothing;
+        state.doing = Doing::OwnAttempt;
     }
 
     /// The attempt a waker started for this waiter, if any: the waiter uses it instead of
@@ -239,9 +261,9 @@ impl Place<'_> {
 
     /// The attempt found no slot: the waiter waits in line and may take wake-ups.
     pub(crate) fn idle(&self) {
-        self.waiter.newcomer.store(false, Ordering::Release);
-        self.waiter.busy.store(false, Ordering::Release);
-        self.waiter.own_attempt.store(false, Ordering::Release);
+        let mut state = self.waiter.state();
+        state.newcomer = false;
+        state.doing = Doing::Waiting;
     }
 }
 
@@ -253,14 +275,11 @@ impl Drop for Place<'_> {
             was_head = queue.front().is_some_and(|w| Arc::ptr_eq(w, &self.waiter));
             queue.retain(|w| !Arc::ptr_eq(w, &self.waiter));
         }
-        if self.waiter.attempt.load(Ordering::Acquire) {
+        let unused = self.waiter.state().asked;
+        if unused != Asked::Nothing {
             // We leave with a wake-up we did not use: pass it on, as what it was (a freed slot,
             // or a re-check that waiters who joined since never got).
-            if self.waiter.promised.load(Ordering::Acquire) {
-                self.queue.wake_one();
-            } else {
-                self.queue.recheck_one();
-            }
+            self.queue.pass_on(unused);
         } else if was_head {
             self.queue.promote_head();
         }
@@ -284,10 +303,10 @@ mod tests {
         let a = in_line(&q);
         let b = in_line(&q);
         assert!(a.is_head() && !b.is_head());
-        q.wake_one();
+        q.pass_on(Asked::FreedSlot);
         assert!(a.woken().await, "the oldest waiter is asked to attempt");
         // `a` is busy attempting: the next wake-up goes to the next idle waiter.
-        q.wake_one();
+        q.pass_on(Asked::FreedSlot);
         assert!(
             b.woken().await,
             "a second wake-up goes to the next idle waiter"
@@ -300,9 +319,9 @@ mod tests {
     async fn wake_ups_while_all_are_busy_are_kept_by_the_head() {
         let q = WaitQueue::default();
         let a = in_line(&q);
-        q.wake_one();
+        q.pass_on(Asked::FreedSlot);
         assert!(a.woken().await);
-        q.wake_one(); // arrives while `a` attempts
+        q.pass_on(Asked::FreedSlot); // arrives while `a` attempts
         a.idle();
         assert!(
             a.woken().await,
@@ -330,8 +349,8 @@ mod tests {
         let (a, _) = q.join("a", false);
         let (b, _) = q.join("b", false);
         // Two releases while both newcomers are out on their first attempt.
-        q.wake_one();
-        q.wake_one();
+        q.pass_on(Asked::FreedSlot);
+        q.pass_on(Asked::FreedSlot);
         a.idle();
         b.idle();
         let within = |f| tokio::time::timeout(Duration::from_secs(1), f);
@@ -376,7 +395,7 @@ mod tests {
         let q = WaitQueue::default();
         let (a, a_tries) = q.join("a", false);
         assert!(a_tries);
-        q.wake_one(); // a slot frees while a's first attempt is out
+        q.pass_on(Asked::FreedSlot); // a slot frees while a's first attempt is out
         let (b, b_tries) = q.join("b", false);
         assert!(!b_tries, "b would take the slot a is to retry for");
         drop((a, b));
@@ -412,7 +431,7 @@ mod tests {
         let q = WaitQueue::default();
         let a = in_line(&q);
         let b = in_line(&q);
-        q.wake_one();
+        q.pass_on(Asked::FreedSlot);
         drop(a); // leaves (timeout) holding an unused wake-up
         assert!(b.woken().await);
     }
