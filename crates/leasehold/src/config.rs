@@ -64,9 +64,15 @@ impl QuotaConfig {
     /// the ttl's fraction of a millisecond before `sent + ttl`. Both are taken off here, so that
     /// even a zero safety margin never outlives the server's deadline.
     pub(crate) fn local_deadline(&self, sent: Instant) -> Instant {
-        let whole_ms = Duration::from_millis(self.ttl.as_millis() as u64);
-        sent + whole_ms.saturating_sub(Duration::from_millis(1) + self.safety_margin)
+        sent + validity(self.ttl, self.safety_margin)
     }
+}
+
+/// How long an acknowledged admission or renewal sent with `ttl` lets its holder hold (see
+/// [`QuotaConfig::local_deadline`]): the ttl's whole milliseconds, less 1 ms and the margin.
+fn validity(ttl: Duration, safety_margin: Duration) -> Duration {
+    Duration::from_millis(ttl.as_millis() as u64)
+        .saturating_sub(Duration::from_millis(1) + safety_margin)
 }
 
 /// Builds a [`Quota`]; see [`Quota::builder`].
@@ -272,10 +278,9 @@ impl QuotaBuilder {
             .into());
         }
         let heartbeat = self.heartbeat.unwrap_or(self.ttl / 3);
-        // What a renewal grants the holder (see `QuotaConfig::local_deadline`): a heartbeat as
-        // long would lose every lease before its first renewal.
-        let validity = Duration::from_millis(self.ttl.as_millis() as u64)
-            .saturating_sub(Duration::from_millis(1) + safety_margin);
+        // A heartbeat as long as what a renewal grants would lose every lease before its first
+        // renewal.
+        let validity = validity(self.ttl, safety_margin);
         if heartbeat.is_zero() || heartbeat >= validity {
             return Err(timing(format!(
                 "heartbeat {heartbeat:?} must be above zero and below what a renewal grants, \
