@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -115,21 +115,16 @@ impl Inner {
         if names.is_empty() {
             return;
         }
-        // One map at a time: no other path holds two of these locks, and none must wait here.
-        let mut epochs = self.epochs.lock().unwrap_or_else(|e| e.into_inner());
-        for name in &names {
-            epochs.remove(*name);
+        // One map at a time: no other path holds two of these locks.
+        fn remove<V>(map: &Mutex<HashMap<String, V>>, names: &[&str]) {
+            let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+            for name in names {
+                map.remove(*name);
+            }
         }
-        drop(epochs);
-        let mut acquires = self.acquires.lock().unwrap_or_else(|e| e.into_inner());
-        for name in &names {
-            acquires.remove(*name);
-        }
-        drop(acquires);
-        let mut releases = self.releases.lock().unwrap_or_else(|e| e.into_inner());
-        for name in &names {
-            releases.remove(*name);
-        }
+        remove(&self.epochs, &names);
+        remove(&self.acquires, &names);
+        remove(&self.releases, &names);
     }
 
     /// The channel of the quota of `keys` in this backend's database: `keys.events` in database
@@ -451,23 +446,25 @@ fn rebuild(inner: Arc<Inner>) -> std::pin::Pin<Box<dyn std::future::Future<Outpu
     })
 }
 
-/// Routes RESP3 push messages to the quota whose channel they came from.
 /// How often a backend with subscriptions and nothing else to say pings its connection.
 const KEEP_ALIVE: Duration = Duration::from_secs(1);
 
-/// Pings the connection once a second while some quota listens, until the backend is dropped.
+/// Pings the connection when a second went by without an answered call while some quota
+/// listens, until the backend is dropped.
 ///
 /// After a disconnection redis-rs retries a few times (about 6 s), then reconnects only when a
 /// call is sent. A process that only holds local leases sends none, and its subscription, the
 /// only way such a lease hears of a cancel, would stay dead with Redis back. Unlimited retries
-/// inside redis-rs would instead outlive a dropped backend for as long as Redis stays away.
+/// inside redis-rs would instead outlive a dropped backend for as long as Redis stays away. A
+/// busy connection needs no ping: its own calls reconnect it.
 async fn keep_subscriptions_alive(inner: Weak<Inner>) {
     loop {
         tokio::time::sleep(KEEP_ALIVE).await;
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        if inner.channels().is_empty() {
+        let recently = Instant::now().checked_sub(KEEP_ALIVE);
+        if inner.channels().is_empty() || recently.is_some_and(|at| inner.link.answered_since(at)) {
             continue;
         }
         let backend = RedisBackend { inner };
@@ -475,6 +472,7 @@ async fn keep_subscriptions_alive(inner: Weak<Inner>) {
     }
 }
 
+/// Routes RESP3 push messages to the quota whose channel they came from.
 async fn dispatch_pushes(inner: Weak<Inner>, mut pushes: mpsc::UnboundedReceiver<PushInfo>) {
     while let Some(push) = pushes.recv().await {
         let Some(inner) = inner.upgrade() else { return };

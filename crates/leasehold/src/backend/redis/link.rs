@@ -83,6 +83,8 @@ struct State<C> {
     spacing: Duration,
     /// Rebuilds started (successful or not), for tests and logs.
     rebuilds: u64,
+    /// When the latest call answered on the current connection was sent.
+    answered_sent: Option<Instant>,
 }
 
 impl<C: Clone> Link<C> {
@@ -98,6 +100,7 @@ impl<C: Clone> Link<C> {
                 last_rebuild_at: None,
                 spacing: Duration::ZERO,
                 rebuilds: 0,
+                answered_sent: None,
             }),
         }
     }
@@ -122,7 +125,13 @@ impl<C: Clone> Link<C> {
         if ticket.generation == state.generation {
             state.rounds = 0;
             state.counted_at = None;
+            state.answered_sent = state.answered_sent.max(Some(ticket.sent));
         }
+    }
+
+    /// True if the current connection answered a call sent at `at` or later.
+    pub(super) fn answered_since(&self, at: Instant) -> bool {
+        self.lock().answered_sent.is_some_and(|sent| sent >= at)
     }
 
     /// A call timed out: what to do about it.
@@ -175,6 +184,7 @@ impl<C: Clone> Link<C> {
         state.rounds = 0;
         state.counted_at = None;
         state.rebuilding = false;
+        state.answered_sent = None;
     }
 
     /// The rebuild could not connect: the old connection stays; the next timeout after the
@@ -234,6 +244,23 @@ mod tests {
         assert_eq!(link.checkout().0, 1);
         assert_eq!(link.rounds(), 0);
         assert_eq!(link.rebuilds(), 1);
+    }
+
+    #[test]
+    fn answers_count_on_the_connection_they_came_from() {
+        let (link, clock) = (Link::new(0u32, TIMEOUT), Clock(Instant::now()));
+        assert!(!link.answered_since(clock.at(0)));
+        link.replied(ticket(&link, clock.at(100)));
+        assert!(link.answered_since(clock.at(100)));
+        assert!(!link.answered_since(clock.at(101)));
+        // An earlier call answered late does not move it back.
+        link.replied(ticket(&link, clock.at(50)));
+        assert!(link.answered_since(clock.at(100)));
+        link.swap(1);
+        assert!(
+            !link.answered_since(clock.at(0)),
+            "a new connection has answered nothing"
+        );
     }
 
     #[test]
