@@ -28,15 +28,16 @@ pub enum LostReason {
 impl std::fmt::Display for LostReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            LostReason::Expired => {
-                f.write_str("lease gone from the backend (expired, lost, or released by another holder of the task)")
-            }
+            LostReason::Expired => f.write_str(
+                "lease gone from the backend (expired, lost, or released by another holder of \
+                 the task)",
+            ),
             LostReason::ReleasedElsewhere => f.write_str("lease released elsewhere"),
             LostReason::Superseded => f.write_str("lease superseded by a newer admission"),
             LostReason::Cancelled(reason) => write!(f, "task cancelled: {reason}"),
             LostReason::LocalDeadline => f.write_str(
                 "local deadline passed before a renewal was confirmed (the backend \
-                     unreachable or slow, or this process paused)",
+                 unreachable or slow, or this process paused)",
             ),
             LostReason::Released => f.write_str("lease released by its holder"),
         }

@@ -64,8 +64,8 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                     lease.mark_lost(LostReason::LocalDeadline);
                 }
             }
-            let due = |l: &&Arc<LeaseInner>| !l.is_lost() && now >= l.renew_due();
-            if now >= next_beat || leases.iter().any(|l| due(&l)) {
+            let any_due = leases.iter().any(|l| !l.is_lost() && now >= l.renew_due());
+            if now >= next_beat || any_due {
                 next_beat = now + shared.config.heartbeat;
                 // Each call carries the epoch its leases were confirmed in: normally one for all,
                 // two or more only around a loss of the quota's state, when leases admitted

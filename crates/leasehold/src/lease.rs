@@ -15,10 +15,11 @@ use crate::runtime;
 /// A held slot of a [`Quota`](crate::Quota).
 ///
 /// While a `Lease` lives, leasehold renews it in the background (one batched call per heartbeat
-/// for all leases admitted through one [`Quota`](crate::Quota) handle and its clones). Dropping it releases the slot in the background;
-/// [`release`](Lease::release) does it now and reports errors. Clones of a `Lease` (and handles
-/// returned by an idempotent re-acquire of the same task id) share one lease: it is released when
-/// the last of them is dropped, or at the first explicit `release`.
+/// for all leases admitted through one [`Quota`](crate::Quota) handle and its clones). Dropping
+/// it releases the slot in the background; [`release`](Lease::release) does it now and reports
+/// errors. Clones of a `Lease` (and handles returned by an idempotent re-acquire of the same task
+/// id) share one lease: it is released when the last of them is dropped, or at the first explicit
+/// `release`.
 ///
 /// A lease can be lost while held: await [`lost`](Lease::lost) (or watch
 /// [`lost_token`](Lease::lost_token)) beside the protected work and stop when it fires.
