@@ -148,6 +148,22 @@ impl Terminal {
         self.is_held_by(own_group()) && alone_in_own_group()
     }
 
+    /// How a command started now stands to `terminal` (the controlling terminal, if any).
+    /// `alone_in_own_group` reads every process's state, so it is asked once here.
+    pub fn role_for_command(terminal: Option<&Terminal>) -> TerminalRole {
+        let Some(terminal) = terminal else {
+            return TerminalRole::AsAnyJob;
+        };
+        if !alone_in_own_group() {
+            // A pipeline stage or a command of a script: no `fg` can ever reach the command.
+            TerminalRole::KeptOut
+        } else if terminal.is_held_by(own_group()) {
+            TerminalRole::Foreground(terminal.raw_fd())
+        } else {
+            TerminalRole::AsAnyJob
+        }
+    }
+
     /// True while `pgrp` is the terminal's foreground group.
     pub fn is_held_by(&self, pgrp: i32) -> bool {
         // SAFETY: a plain query on a descriptor we own.
@@ -167,7 +183,7 @@ impl Terminal {
 }
 
 /// True if this process leads its process group and no other process is in it.
-pub fn alone_in_own_group() -> bool {
+fn alone_in_own_group() -> bool {
     // SAFETY: getpid(2) cannot fail.
     let me = unsafe { libc::getpid() };
     let group = own_group();

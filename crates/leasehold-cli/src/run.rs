@@ -66,13 +66,10 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
         return Ok(exit::LEASE_LOST);
     }
     let terminal = Terminal::controlling();
-    let hand_over = terminal.as_ref().filter(|t| t.may_hand_over());
-    let role = match (&terminal, hand_over) {
-        (_, Some(terminal)) => TerminalRole::Foreground(terminal.raw_fd()),
-        // A pipeline stage or a command of a script: no `fg` can ever reach the command.
-        (Some(_), None) if !job::alone_in_own_group() => TerminalRole::KeptOut,
-        _ => TerminalRole::AsAnyJob,
-    };
+    let role = Terminal::role_for_command(terminal.as_ref());
+    let hand_over = terminal
+        .as_ref()
+        .filter(|_| matches!(role, TerminalRole::Foreground(_)));
     let mut child = match spawn(&args, &quota, &lease, role, signals.restore_ttou()) {
         Ok(child) => child,
         Err(failure) => {
