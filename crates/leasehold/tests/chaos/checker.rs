@@ -40,8 +40,9 @@ pub struct Stats {
     pub cancel_ms: Vec<f64>,
     /// Cancels whose work ended otherwise first (nothing to measure).
     pub cancel_missed: usize,
-    /// Work started inside an outage or by an isolated worker inside its isolation.
-    pub admissions_cut: usize,
+    /// Work started inside an outage or by an isolated worker inside its isolation, each said
+    /// in words (who, how far into which cut).
+    pub admissions_cut: Vec<String>,
     /// Work granted locally by the backend-down policy (no Redis): during an outage, and after
     /// Redis was back (the short-circuit still open).
     pub local_grants: (usize, usize),
@@ -209,6 +210,19 @@ fn reuse(s: &mut Stats, record: &PhaseRecord, within: &[&Interval], limit: usize
     }
 }
 
+/// How much later than the cut at `t` a reply the server sent before it can still arrive: the
+/// proxies' delay if they were delaying then (chunks already queued keep their delay after it
+/// is switched off).
+fn in_flight_delay(record: &PhaseRecord, t: Ns) -> Ns {
+    record
+        .slowed
+        .iter()
+        .filter(|(w, delay)| w.start <= t && t < w.end + delay.as_nanos())
+        .map(|(_, delay)| delay.as_nanos())
+        .max()
+        .unwrap_or(0)
+}
+
 fn cuts(s: &mut Stats, record: &PhaseRecord, within: &[&Interval]) {
     let everyone: Vec<(Option<usize>, Window, bool)> = record
         .outages
@@ -226,10 +240,18 @@ fn cuts(s: &mut Stats, record: &PhaseRecord, within: &[&Interval]) {
         }
     }
     for (who, w, must_stop) in everyone {
+        let grace = GRACE + in_flight_delay(record, w.start);
         let concerned = within.iter().filter(|i| who.is_none_or(|k| i.worker == k));
         for i in concerned {
-            if i.start > w.start + GRACE && i.start < w.end {
-                s.admissions_cut += 1;
+            if i.start > w.start + grace && i.start < w.end {
+                let cut = who.map_or("the outage".to_owned(), |k| format!("worker {k}'s cut"));
+                s.admissions_cut.push(format!(
+                    "worker {} started {} {:.0} ms into {cut} (grace {:.0} ms)",
+                    i.worker,
+                    i.id,
+                    ms(i.start - w.start),
+                    ms(grace)
+                ));
             }
             if must_stop && i.start <= w.start && i.end > w.start {
                 s.cut_to_stop_ms.push(ms(i.end - w.start));
@@ -270,10 +292,11 @@ pub fn violations(
     if s.open != 0 {
         v.push(format!("{name}: {} intervals with no recorded end", s.open));
     }
-    if s.admissions_cut != 0 && !record.policy_admits {
+    if !s.admissions_cut.is_empty() && !record.policy_admits {
         v.push(format!(
-            "{name}: {} admissions while Redis was unreachable",
-            s.admissions_cut
+            "{name}: {} admissions while Redis was unreachable: {}",
+            s.admissions_cut.len(),
+            s.admissions_cut.join("; ")
         ));
     }
     let ttl_ms = ttl.as_secs_f64() * 1000.0;
@@ -397,6 +420,25 @@ mod tests {
     }
 
     #[test]
+    fn a_grant_delayed_by_the_proxies_is_not_an_admission_during_the_cut() {
+        // Redis cut at 100 ms; work starts 130 ms into the cut (past GRACE), as a grant sent
+        // just before the cut does when the proxies add 100 ms each way.
+        let all = [interval(0, 230, 300)];
+        let mut r = record(Vec::new());
+        r.outages.push((Window::new(100 * MS, 500 * MS), true));
+        assert_eq!(check(&r, &all, &[], 1, 1).admissions_cut.len(), 1);
+        // Slowed until 50 ms: chunks queued before then still arrive up to 150 ms.
+        r.slowed
+            .push((Window::new(0, 50 * MS), Duration::from_millis(100)));
+        assert!(check(&r, &all, &[], 1, 1).admissions_cut.is_empty());
+        // Work starting past GRACE + the delay is still counted.
+        let late = [interval(0, 260, 300)];
+        let cut = check(&r, &late, &[], 1, 1).admissions_cut;
+        assert_eq!(cut.len(), 1, "{cut:?}");
+        assert!(cut[0].contains("160 ms into the outage"), "{cut:?}");
+    }
+
+    #[test]
     fn leaks_admissions_during_a_cut_and_slow_stops_are_violations() {
         let mut r = record(Vec::new());
         r.outages.push((Window::new(100 * MS, 300 * MS), true));
@@ -412,7 +454,7 @@ mod tests {
             interval(2, 400, 450), // after it: recovery
         ];
         let s = check(&r, &all, &[], 3, 2);
-        assert_eq!(s.admissions_cut, 1);
+        assert_eq!(s.admissions_cut.len(), 1, "{:?}", s.admissions_cut);
         assert_eq!(s.cut_to_stop_ms, vec![1400.0]);
         assert_eq!(s.after_lift, 3);
         let v = violations(

@@ -29,6 +29,9 @@ enum Injected {
     Lasting(Undo),
 }
 
+/// The delay a drawn "latency" adds each way on every proxy (+200 ms per round trip).
+const LATENCY: Duration = Duration::from_millis(100);
+
 /// What the schedule can draw.
 const ACTIONS: [&str; 8] = [
     "kill",
@@ -167,7 +170,7 @@ fn inject(
             Undo::Unstall(k)
         })),
         "latency" if !latency_on => {
-            fleet.each_proxy(|proxy| proxy.set_latency(Duration::from_millis(100)));
+            fleet.each_proxy(|proxy| proxy.set_latency(LATENCY));
             Injected::Lasting(Undo::LatencyOff)
         }
         "drop-connections" => {
@@ -199,6 +202,9 @@ fn inject(
 }
 
 fn undo_fault(fleet: &mut Fleet, p: &mut Phase, undo: Undo, start: Ns) {
+    // The fault ends when lifting it begins: a resumed Redis or a healed link may answer, and a
+    // worker start work, before the lift call returns.
+    let lifting = now_ns();
     match undo {
         Undo::Resume(k) => fleet.resume(k),
         Undo::Heal(k) => fleet.proxies[k].partition(false),
@@ -206,16 +212,17 @@ fn undo_fault(fleet: &mut Fleet, p: &mut Phase, undo: Undo, start: Ns) {
         Undo::LatencyOff => fleet.each_proxy(|proxy| proxy.set_latency(Duration::ZERO)),
         Undo::RedisResume => fleet.server.resume(),
     }
-    let w = Window::new(start, now_ns());
+    let w = Window::new(start, lifting);
+    let lifted = now_ns();
     let r = p.record();
     match undo {
         Undo::Resume(k) => {
             r.paused.push((k, w));
             r.allowed
-                .push((Window::new(w.start, w.end + 300 * MS), "paused holder"));
+                .push((Window::new(w.start, lifted + 300 * MS), "paused holder"));
         }
         Undo::Heal(k) | Undo::Unstall(k) => r.isolated.push((k, w)),
         Undo::RedisResume => r.outages.push((w, true)),
-        Undo::LatencyOff => {}
+        Undo::LatencyOff => r.slowed.push((Window::new(start, lifted), LATENCY)),
     }
 }

@@ -26,6 +26,9 @@ pub struct PhaseRecord {
     pub outages: Vec<(Window, bool)>,
     /// One worker cut off from Redis (partition or stall): it may start nothing inside.
     pub isolated: Vec<(usize, Window)>,
+    /// Proxies delaying every chunk by this much each way: a grant the server sent just before
+    /// a cut then reaches its worker up to that much after the cut's start.
+    pub slowed: Vec<(Window, Duration)>,
     /// Workers SIGSTOPped, with the pause.
     pub paused: Vec<(usize, Window)>,
     /// SIGKILLs sent while the worker was holding.
@@ -52,6 +55,7 @@ impl PhaseRecord {
             allowed: Vec::new(),
             outages: Vec::new(),
             isolated: Vec::new(),
+            slowed: Vec::new(),
             paused: Vec::new(),
             kills: Vec::new(),
             cancels: Vec::new(),
@@ -82,11 +86,13 @@ impl Phase {
         &mut self.record
     }
 
-    /// Notes that Redis, unreachable for everyone since `cut`, answers again now.
-    pub fn redis_back(&mut self, cut: Ns) {
+    /// Notes that Redis, unreachable for everyone since `cut`, answers again now; lifting the
+    /// cut began at `lifting`. The outage ends there, not now: Redis serves the calls queued
+    /// during the cut as soon as it runs again, and a worker can start work before the test
+    /// sees the lift done.
+    pub fn redis_back(&mut self, cut: Ns, lifting: Ns) {
         self.lifted();
-        let back = self.record.faults_lifted;
-        self.record.outages.push((Window::new(cut, back), true));
+        self.record.outages.push((Window::new(cut, lifting), true));
     }
 
     /// Notes that a fault was lifted now.

@@ -58,7 +58,7 @@ pub fn row(record: &PhaseRecord, s: &Stats, violations: usize) -> String {
         spread(&s.reuse_ms),
         spread(&s.cancel_ms),
         missed,
-        s.admissions_cut,
+        s.admissions_cut.len(),
         s.local_grants.0,
         s.local_grants.1,
         max_of(&s.cut_to_stop_ms),

@@ -82,11 +82,12 @@ pub fn pause_worker(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecor
         let start = now_ns();
         fleet.pause(holder.worker);
         run_for(fleet.settings.ttl * 2);
+        let lifting = now_ns();
         fleet.resume(holder.worker);
         let end = now_ns();
         p.lifted();
         let r = p.record();
-        r.paused.push((holder.worker, Window::new(start, end)));
+        r.paused.push((holder.worker, Window::new(start, lifting)));
         r.allowed
             .push((Window::new(start, end + 300 * MS), "paused holder"));
         run_for(RECOVERY);
@@ -134,12 +135,13 @@ pub fn restart(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, down: Duration) ->
         let start = now_ns();
         fleet.server.kill();
         run_for(down);
+        let lifting = now_ns();
         fleet.server.restart();
         let back = now_ns();
         p.lifted();
         let ttl = nanos(fleet.settings.ttl);
         let r = p.record();
-        r.outages.push((Window::new(start, back), !fast));
+        r.outages.push((Window::new(start, lifting), !fast));
         r.allowed.push((
             Window::new(start, back + ttl),
             "restart without persistence",
@@ -157,8 +159,9 @@ pub fn pause_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord
         let start = now_ns();
         fleet.server.pause();
         run_for(fleet.settings.ttl * 3 / 2);
+        let lifting = now_ns();
         fleet.server.resume();
-        p.redis_back(start);
+        p.redis_back(start, lifting);
         run_for(RECOVERY);
     }
     p.finish(fleet, ops)
@@ -181,6 +184,8 @@ pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord 
     run_for(WARM_UP);
     for _ in 0..plan.rounds(1, 3) {
         let start = now_ns();
+        // Set when the test starts killing the script: from then on Redis may answer.
+        let mut lifting = start;
         std::thread::scope(|scope| {
             let script = scope.spawn(|| {
                 // Read-only, so SCRIPT KILL may stop it; TIME-free, so it runs on any version.
@@ -188,6 +193,7 @@ pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord 
                 server.try_command_timeout(&args, Duration::from_secs(10))
             });
             run_for(fleet.settings.ttl * 3 / 2);
+            lifting = now_ns();
             let end = std::time::Instant::now() + Duration::from_secs(5);
             while server
                 .try_command(&["SCRIPT", "KILL"])
@@ -202,7 +208,7 @@ pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord 
                 "the busy script ended with {reply:?}"
             );
         });
-        p.redis_back(start);
+        p.redis_back(start, lifting);
         run_for(RECOVERY);
     }
     p.finish(fleet, ops)
@@ -228,11 +234,11 @@ pub fn partition(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
             fleet.proxies[s.worker].stall(true);
         }
         run_for(fleet.settings.ttl * 2);
+        let end = now_ns();
         fleet.proxies[cut.worker].partition(false);
         if let Some(s) = &stalled {
             fleet.proxies[s.worker].stall(false);
         }
-        let end = now_ns();
         p.lifted();
         let r = p.record();
         r.isolated.push((cut.worker, Window::new(start, end)));
@@ -261,9 +267,12 @@ pub fn latency(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, each_way: Duration
     p.record().no_loss_expected = !heavy;
     run_for(WARM_UP);
     fleet.each_proxy(|proxy| proxy.set_latency(each_way));
+    let slowed_from = now_ns();
     run_for(Duration::from_millis(plan.rounds(3000, 12_000) as u64));
     fleet.each_proxy(|proxy| proxy.set_latency(Duration::ZERO));
     p.lifted();
+    let slowed = Window::new(slowed_from, p.record().faults_lifted);
+    p.record().slowed.push((slowed, each_way));
     run_for(RECOVERY);
     p.finish(fleet, ops)
 }
@@ -325,6 +334,7 @@ pub fn outage_policy(fleet: &mut Fleet, ops: &Ops, policy: &str) -> PhaseRecord 
     let start = now_ns();
     fleet.server.kill();
     run_for(fleet.settings.ttl * 3 / 2);
+    let lifting = now_ns();
     fleet.server.restart();
     let back = now_ns();
     p.lifted();
@@ -332,7 +342,7 @@ pub fn outage_policy(fleet: &mut Fleet, ops: &Ops, policy: &str) -> PhaseRecord 
     // local leases granted until then run to their end.
     let tail = nanos(Duration::from_millis(1500 + fleet.settings.hold_ms.1 + 300));
     let r = p.record();
-    r.outages.push((Window::new(start, back), true));
+    r.outages.push((Window::new(start, lifting), true));
     r.allowed.push((
         Window::new(start, back + tail),
         "policy admits while Redis is down",
