@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::Fixture;
-use leasehold::backend::{AcquireReply, LimitUpdate, RenewOutcome};
-use leasehold::{Error, LostReason, Misconfiguration, VersionedLimit};
+use leasehold::backend::{AcquireReply, LeaseRecord, LimitUpdate, RenewOutcome};
+use leasehold::{Error, LostReason, Misconfiguration, QuotaKeys, VersionedLimit};
 
 const TTL: Duration = Duration::from_millis(600);
 
@@ -51,6 +51,9 @@ conformance!(
     the_same_version_with_another_limit_is_a_typed_error_and_takes_no_slot,
     a_held_task_is_answered_held_despite_a_limit_mismatch,
     an_acquire_answered_cancelled_still_reaps_expired_leases,
+    at_its_deadline_millisecond_a_lease_no_longer_holds_its_slot,
+    a_renewal_at_the_deadline_millisecond_finds_the_lease_gone,
+    the_expiry_hint_of_a_full_answer_skips_a_lease_at_its_deadline,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -1239,4 +1242,284 @@ async fn an_acquire_answered_cancelled_still_reaps_expired_leases(fx: Fixture) {
         !released,
         "the expired lease was not reaped by the cancelled acquire"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exact-millisecond boundaries (PROTOCOL §4: a lease is live while `now < deadline`).
+//
+// Neither backend's clock can be frozen: the memory backend's runs on `Instant`, and the Redis
+// server's `TIME` is its wall clock (`ServerClock` can only step it). So these tests do not set
+// the time; they read it. Every reply that carries the backend's `now` (acquire answers, and
+// snapshots, which change nothing) is checked against the rule, and each scenario is retried on
+// fresh keys until the backend was observed at the exact milliseconds that matter (a stall of
+// the test can skip one); a try costs a few hundred ms, and the number of tries is bounded.
+// ---------------------------------------------------------------------------------------------
+
+/// Most tries of a boundary scenario before the test gives up pinning the boundary.
+const BOUNDARY_TRIES: usize = 20;
+
+/// Fresh keys for one try of a boundary scenario.
+fn try_keys(fx: &Fixture, attempt: usize) -> QuotaKeys {
+    QuotaKeys::new(&format!("{}-try{attempt}", fx.name)).unwrap()
+}
+
+/// The backend's clock, read with a snapshot (which changes nothing).
+async fn backend_now(fx: &Fixture, keys: &QuotaKeys) -> u64 {
+    fx.backend.snapshot(keys).await.unwrap().now_ms
+}
+
+/// Sleeps until about `margin` before the backend's clock reaches `at_ms`, knowing that it read
+/// `now_ms` at the local instant `read`.
+async fn sleep_until_near(read: Instant, now_ms: u64, at_ms: u64, margin: Duration) {
+    let wait = Duration::from_millis(at_ms.saturating_sub(now_ms)).saturating_sub(margin);
+    tokio::time::sleep_until((read + wait).into()).await;
+}
+
+/// Spins on snapshots until the backend's clock reads at least `at_ms`; every snapshot on the
+/// way must list `id` exactly while its time is before `deadline_ms`. Returns the time of the
+/// last snapshot: `at_ms` itself unless a stall skipped it.
+async fn spin_to(fx: &Fixture, keys: &QuotaKeys, id: &str, deadline_ms: u64, at_ms: u64) -> u64 {
+    let started = Instant::now();
+    loop {
+        let snapshot = fx.backend.snapshot(keys).await.unwrap();
+        let listed = snapshot.holders.iter().any(|h| h.task_id == id);
+        assert_eq!(
+            listed,
+            snapshot.now_ms < deadline_ms,
+            "a snapshot at {} lists {id} (deadline {deadline_ms}): {listed}",
+            snapshot.now_ms
+        );
+        if snapshot.now_ms >= at_ms {
+            return snapshot.now_ms;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the backend's clock did not reach {at_ms} (now {})",
+            snapshot.now_ms
+        );
+    }
+}
+
+/// Admits `id` on `keys` with `ttl` and `limit` (version 0); panics on any other answer.
+async fn admit(fx: &Fixture, keys: &QuotaKeys, id: &str, ttl: Duration, limit: u32) -> LeaseRecord {
+    match fx.backend.acquire(keys, id, ttl, limit).await.unwrap() {
+        AcquireReply::Acquired(record) => record,
+        other => panic!("{id} is admitted: {other:?}"),
+    }
+}
+
+/// At `deadline − 1` a full quota refuses a new task, naming the lease's deadline as the time a
+/// slot frees; at `deadline` itself the lease is expired: the same acquire reaps it and admits,
+/// to the millisecond (acquire reaps `score <= now`, PROTOCOL §5.2 step 2).
+async fn at_its_deadline_millisecond_a_lease_no_longer_holds_its_slot(fx: Fixture) {
+    let ttl = Duration::from_millis(150);
+    for attempt in 0..BOUNDARY_TRIES {
+        let keys = try_keys(&fx, attempt);
+        let a = admit(&fx, &keys, "a", ttl, 1).await;
+        let read = Instant::now();
+        let deadline = a.deadline_ms;
+        assert_eq!(deadline, a.now_ms + 150);
+        sleep_until_near(read, a.now_ms, deadline, Duration::from_millis(10)).await;
+        let mut last_refused = None;
+        let admitted = loop {
+            match fx.backend.acquire(&keys, "b", ttl, 1).await.unwrap() {
+                AcquireReply::Full {
+                    now_ms,
+                    earliest_deadline_ms,
+                } => {
+                    assert!(
+                        now_ms < deadline,
+                        "refused at {now_ms}, though a's deadline {deadline} has come"
+                    );
+                    assert_eq!(earliest_deadline_ms, deadline, "refused at {now_ms}");
+                    last_refused = Some(now_ms);
+                }
+                AcquireReply::Acquired(b) => break b,
+                other => panic!("b: {other:?}"),
+            }
+            assert!(
+                read.elapsed() < ttl + Duration::from_secs(2),
+                "never admitted"
+            );
+        };
+        assert!(
+            admitted.now_ms >= deadline,
+            "admitted at {} beside a, live until {deadline}",
+            admitted.now_ms
+        );
+        assert!(admitted.token > a.token);
+        let holders = fx.backend.snapshot(&keys).await.unwrap().holders;
+        assert_eq!(
+            holders
+                .iter()
+                .map(|h| h.task_id.as_str())
+                .collect::<Vec<_>>(),
+            ["b"]
+        );
+        assert!(
+            !fx.backend.release(&keys, "a", Some(a.token)).await.unwrap(),
+            "the admission reaped a"
+        );
+        if last_refused == Some(deadline - 1) && admitted.now_ms == deadline {
+            println!("try {attempt}: refused at deadline − 1, admitted at the deadline {deadline}");
+            return;
+        }
+        println!(
+            "try {attempt}: boundary not pinned (last refusal {last_refused:?}, admission {}, \
+             deadline {deadline})",
+            admitted.now_ms
+        );
+    }
+    panic!("no try observed the backend at both deadline − 1 and the deadline");
+}
+
+/// A renewal one millisecond before the deadline extends the lease to `now + ttl`; a renewal at
+/// the deadline millisecond is too late: the lease is gone (code 0) and removed, not extended
+/// (PROTOCOL §5.3 step 1, `score <= now`). Snapshots list the lease exactly while `now <
+/// deadline` (§5.5).
+async fn a_renewal_at_the_deadline_millisecond_finds_the_lease_gone(fx: Fixture) {
+    let ttl = Duration::from_millis(150);
+    let renew = |keys: QuotaKeys, epoch: String, token: u64| {
+        let backend = fx.backend.clone();
+        async move {
+            backend
+                .renew(&keys, ttl, &epoch, &[("a".to_owned(), token)])
+                .await
+                .unwrap()
+                .outcomes
+        }
+    };
+    for attempt in 0..BOUNDARY_TRIES {
+        let keys = try_keys(&fx, attempt);
+        let a = admit(&fx, &keys, "a", ttl, 1).await;
+        let deadline = a.deadline_ms;
+        // One millisecond early: renewed, to exactly `now + ttl`.
+        sleep_until_near(
+            Instant::now(),
+            a.now_ms,
+            deadline,
+            Duration::from_millis(10),
+        )
+        .await;
+        let before = spin_to(&fx, &keys, "a", deadline, deadline - 1).await;
+        let early = renew(keys.clone(), a.epoch.clone(), a.token).await;
+        let read = Instant::now();
+        let after = backend_now(&fx, &keys).await;
+        let extended = match early[..] {
+            [RenewOutcome::Renewed { deadline_ms }] => {
+                assert!(
+                    before < deadline,
+                    "renewed at {before}..{after}, deadline {deadline}"
+                );
+                assert!(
+                    (before + 150..=after + 150).contains(&deadline_ms),
+                    "renewed at {before}..{after} to {deadline_ms}"
+                );
+                deadline_ms
+            }
+            [RenewOutcome::Gone] => {
+                assert!(
+                    after >= deadline,
+                    "gone at {before}..{after}, deadline {deadline}"
+                );
+                println!("try {attempt}: the early renewal came at the deadline");
+                continue;
+            }
+            ref other => panic!("{other:?}"),
+        };
+        let early_pinned = before == deadline - 1 && after == deadline - 1;
+        // At the new deadline: gone, and removed.
+        sleep_until_near(read, after, extended, Duration::from_millis(10)).await;
+        let before = spin_to(&fx, &keys, "a", extended, extended).await;
+        let late = renew(keys.clone(), a.epoch.clone(), a.token).await;
+        let after = backend_now(&fx, &keys).await;
+        assert_eq!(
+            late,
+            [RenewOutcome::Gone],
+            "a renewal at {before}..{after}, deadline {extended}"
+        );
+        assert!(
+            !fx.backend.release(&keys, "a", Some(a.token)).await.unwrap(),
+            "the late renewal removed the expired lease"
+        );
+        assert_eq!(
+            renew(keys.clone(), a.epoch.clone(), a.token).await,
+            [RenewOutcome::Gone]
+        );
+        if early_pinned && before == extended && after == extended {
+            println!("try {attempt}: renewed at deadline − 1 to {extended}, gone at {extended}");
+            return;
+        }
+        println!(
+            "try {attempt}: boundary not pinned (early pinned: {early_pinned}, late renewal at \
+             {before}..{after}, deadline {extended})"
+        );
+    }
+    panic!("no try renewed at exactly deadline − 1 and then at exactly the deadline");
+}
+
+/// The expiry hint of a "full" answer names the earliest deadline among the *live* leases
+/// (PROTOCOL §5.2 step 9): at `deadline − 1` the expiring lease's, at `deadline` the next one's,
+/// since the expiring lease no longer counts. The quota stays full across the boundary because
+/// its limit was lowered below the live count (nobody is evicted, §5.2).
+async fn the_expiry_hint_of_a_full_answer_skips_a_lease_at_its_deadline(fx: Fixture) {
+    let (short, long) = (Duration::from_millis(150), Duration::from_secs(5));
+    let lowered = versioned(1, 1);
+    for attempt in 0..BOUNDARY_TRIES {
+        let keys = try_keys(&fx, attempt);
+        let a = admit(&fx, &keys, "a", short, 3).await;
+        let c = admit(&fx, &keys, "c", long, 3).await;
+        let stored = fx.backend.set_limit(&keys, 1, Some(1)).await.unwrap();
+        assert_eq!(stored, LimitUpdate::Stored(lowered));
+        let read = Instant::now();
+        sleep_until_near(read, a.now_ms, a.deadline_ms, Duration::from_millis(10)).await;
+        let mut hints = Vec::new();
+        loop {
+            let reply = fx
+                .backend
+                .acquire_with_limit(&keys, "b", short, lowered)
+                .await
+                .unwrap();
+            let AcquireReply::Full {
+                now_ms,
+                earliest_deadline_ms,
+            } = reply
+            else {
+                panic!("still full, with c live and limit 1: {reply:?}");
+            };
+            let expected = if now_ms < a.deadline_ms {
+                a.deadline_ms
+            } else {
+                c.deadline_ms
+            };
+            assert_eq!(
+                earliest_deadline_ms, expected,
+                "hint at {now_ms} (a until {}, c until {})",
+                a.deadline_ms, c.deadline_ms
+            );
+            assert!(earliest_deadline_ms > now_ms);
+            hints.push(now_ms);
+            if now_ms > a.deadline_ms {
+                break;
+            }
+            assert!(read.elapsed() < Duration::from_secs(2), "the clock stalled");
+        }
+        let holders = fx.backend.snapshot(&keys).await.unwrap().holders;
+        assert_eq!(
+            holders
+                .iter()
+                .map(|h| h.task_id.as_str())
+                .collect::<Vec<_>>(),
+            ["c"]
+        );
+        if hints.contains(&(a.deadline_ms - 1)) && hints.contains(&a.deadline_ms) {
+            println!(
+                "try {attempt}: hint {} at deadline − 1, {} at the deadline",
+                a.deadline_ms, c.deadline_ms
+            );
+            return;
+        }
+        println!("try {attempt}: boundary not pinned");
+    }
+    panic!("no try was answered full at both deadline − 1 and the deadline");
 }
