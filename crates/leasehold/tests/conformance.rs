@@ -54,6 +54,7 @@ conformance!(
     at_its_deadline_millisecond_a_lease_no_longer_holds_its_slot,
     a_renewal_at_the_deadline_millisecond_finds_the_lease_gone,
     the_expiry_hint_of_a_full_answer_skips_a_lease_at_its_deadline,
+    a_cancel_marker_refuses_its_task_for_its_ttl_then_lets_it_in_again,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -1522,4 +1523,114 @@ async fn the_expiry_hint_of_a_full_answer_skips_a_lease_at_its_deadline(fx: Fixt
         println!("try {attempt}: boundary not pinned");
     }
     panic!("no try was answered full at both deadline − 1 and the deadline");
+}
+
+/// A cancel marker lives for the ttl it was written with (PROTOCOL §3, §5.6: a key with a `PX`
+/// TTL): until then an acquire of the task is answered cancelled, after it the same task id is
+/// admitted again, with a new token. PROTOCOL gives no millisecond rule of its own for the
+/// marker: it is Redis's key expiry, which keeps a key through its expiry millisecond (expired
+/// once `now > cancel + ttl`); the memory backend mirrors that (`expires >= now`). So a try
+/// counts only if the cancel's time `c` is known exactly (the cancel reply carries no time: it
+/// is bracketed by snapshots), an acquire run entirely at `c + ttl` was refused, and the
+/// admission came at `c + ttl + 1`.
+///
+/// Tolerance of the hard assertions: Redis expires keys by the time its script *started* (and,
+/// from 7.2, sets a `PX` expiry from it too), while a script's `now` is `TIME` read inside it,
+/// so the two can fall in neighbouring milliseconds: never admitted before `cancel + ttl`, never
+/// refused from 3 ms after it. A try in which they did fall apart is not pinned, and retried.
+async fn a_cancel_marker_refuses_its_task_for_its_ttl_then_lets_it_in_again(fx: Fixture) {
+    const TRIES: usize = 30;
+    let ttl = Duration::from_millis(60);
+    let marker_ttl = Duration::from_millis(150);
+    let m = 150;
+    let mut seen = Vec::new();
+    for attempt in 0..TRIES {
+        let keys = try_keys(&fx, attempt);
+        let first = admit(&fx, &keys, "x", ttl, 2).await;
+        let s0 = backend_now(&fx, &keys).await;
+        let held = fx
+            .backend
+            .cancel(&keys, "x", "stop", marker_ttl)
+            .await
+            .unwrap();
+        let read = Instant::now();
+        let s1 = backend_now(&fx, &keys).await;
+        assert!(held, "x held a live lease");
+        // The holder stops and releases; its task id stays refused while the marker lives.
+        assert!(fx
+            .backend
+            .release(&keys, "x", Some(first.token))
+            .await
+            .unwrap());
+        let refused = fx.backend.acquire(&keys, "x", ttl, 2).await.unwrap();
+        assert_eq!(
+            refused,
+            AcquireReply::Cancelled {
+                reason: "stop".into()
+            }
+        );
+        sleep_until_near(read, s1, s1 + m, Duration::from_millis(10)).await;
+        // The backend times (before, after) of the refused probes near the expiry.
+        let mut refusals = Vec::new();
+        let admitted = loop {
+            let before = backend_now(&fx, &keys).await;
+            match fx.backend.acquire(&keys, "x", ttl, 2).await.unwrap() {
+                AcquireReply::Cancelled { reason } => {
+                    let after = backend_now(&fx, &keys).await;
+                    assert_eq!(reason, "stop");
+                    assert!(
+                        before <= s1 + m + 2,
+                        "refused at {before}..{after}, though the marker (written at \
+                         {s0}..{s1}, ttl {m} ms) has expired"
+                    );
+                    refusals.push((before, after));
+                }
+                AcquireReply::Acquired(record) => break record,
+                other => panic!("x: {other:?}"),
+            }
+            assert!(
+                read.elapsed() < marker_ttl + Duration::from_secs(2),
+                "never admitted"
+            );
+        };
+        assert!(
+            admitted.now_ms >= s0 + m,
+            "admitted at {}, before the marker (written at {s0}..{s1}) lived {m} ms",
+            admitted.now_ms
+        );
+        assert!(admitted.token > first.token, "a new admission, new token");
+        // No longer cancelled: its renewal extends it (no marker, no code 3).
+        let renewed = fx
+            .backend
+            .renew(&keys, ttl, &admitted.epoch, &[("x".into(), admitted.token)])
+            .await
+            .unwrap();
+        assert!(
+            matches!(renewed.outcomes[..], [RenewOutcome::Renewed { .. }]),
+            "{renewed:?}"
+        );
+        let expiry = s1 + m;
+        let last = refusals.last().copied();
+        let observed = format!(
+            "try {attempt}: cancel at {s0}..{s1}, ttl {m} ms; last refusal at {} ms, admission \
+             at {:+} ms, from cancel + ttl",
+            last.map_or("none".into(), |(b, a)| format!(
+                "{:+}..{:+}",
+                b as i64 - expiry as i64,
+                a as i64 - expiry as i64
+            )),
+            admitted.now_ms as i64 - expiry as i64,
+        );
+        println!("{observed}");
+        let pinned =
+            s0 == s1 && refusals.contains(&(expiry, expiry)) && admitted.now_ms == expiry + 1;
+        if pinned {
+            return;
+        }
+        seen.push(observed);
+    }
+    panic!(
+        "no try saw a refusal exactly at cancel + ttl and the admission 1 ms later:\n{}",
+        seen.join("\n")
+    );
 }
