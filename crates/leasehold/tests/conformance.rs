@@ -55,6 +55,8 @@ conformance!(
     a_renewal_at_the_deadline_millisecond_finds_the_lease_gone,
     the_expiry_hint_of_a_full_answer_skips_a_lease_at_its_deadline,
     a_cancel_marker_refuses_its_task_for_its_ttl_then_lets_it_in_again,
+    a_lease_re_registered_after_a_dataset_loss_is_answered_cancelled,
+    a_cancel_marker_lost_with_the_dataset_no_longer_refuses_its_task,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -1632,5 +1634,136 @@ async fn a_cancel_marker_refuses_its_task_for_its_ttl_then_lets_it_in_again(fx: 
     panic!(
         "no try saw a refusal exactly at cancel + ttl and the admission 1 ms later:\n{}",
         seen.join("\n")
+    );
+}
+
+/// PROTOCOL §5.3 step 3 and §8: after a dataset loss, a stale holder's renewal during the
+/// quarantine re-registers its forgotten lease even though its task was cancelled since the loss:
+/// the lease is written back with the holder's token, and `fence` raised to it, but the renewal
+/// answers cancelled (code 3, the reason), so the holder stops and releases it. Acquire keeps
+/// refusing the task (code 3 comes before `held`). A forgotten lease that finds no room under the
+/// stored limit is answered gone (code 0), marker or not: cancelled is answered only for a lease
+/// that is held.
+async fn a_lease_re_registered_after_a_dataset_loss_is_answered_cancelled(fx: Fixture) {
+    let keys = fx.keys();
+    // Tokens 1 and 2 are released before the loss: the re-registered token, 3, is above the
+    // fence a new epoch starts with.
+    for id in ["x1", "x2"] {
+        let record = admit(&fx, &keys, id, TTL, 4).await;
+        assert!(fx
+            .backend
+            .release(&keys, id, Some(record.token))
+            .await
+            .unwrap());
+    }
+    let a = admit(&fx, &keys, "a", TTL, 4).await;
+    let b = admit(&fx, &keys, "b", TTL, 4).await;
+    assert_eq!((a.token, b.token), (3, 4));
+    fx.wipe();
+    // Cancelled after the loss (a marker written before it would have been lost with it).
+    for (id, reason) in [("a", "stop a"), ("b", "stop b")] {
+        assert!(
+            !fx.backend
+                .cancel(&keys, id, reason, Duration::from_secs(60))
+                .await
+                .unwrap(),
+            "{id}: the loss forgot its lease"
+        );
+    }
+    // One slot, stored before the old holders report back: a takes it, b finds none.
+    assert_eq!(
+        fx.backend.set_limit(&keys, 1, None).await.unwrap(),
+        LimitUpdate::Stored(versioned(1, 1))
+    );
+    let renewed_a = fx
+        .backend
+        .renew(&keys, TTL, &a.epoch, &[("a".into(), a.token)])
+        .await
+        .unwrap();
+    assert_ne!(renewed_a.epoch, a.epoch, "the loss made a new epoch");
+    assert_eq!(
+        renewed_a.outcomes,
+        [RenewOutcome::Cancelled {
+            reason: "stop a".into()
+        }],
+        "re-registered, and told it is cancelled"
+    );
+    let renewed_b = fx
+        .backend
+        .renew(&keys, TTL, &b.epoch, &[("b".into(), b.token)])
+        .await
+        .unwrap();
+    assert_eq!(
+        renewed_b.outcomes,
+        [RenewOutcome::Gone],
+        "no room: not re-registered, so not cancelled either"
+    );
+    // a is held again, with its own token; b is not.
+    let snapshot = fx.backend.snapshot(&keys).await.unwrap();
+    let held: Vec<(&str, u64)> = snapshot
+        .holders
+        .iter()
+        .map(|h| (h.task_id.as_str(), h.token))
+        .collect();
+    assert_eq!(held, [("a", a.token)]);
+    assert!(
+        snapshot.holders[0].acquired_at_ms >= a.acquired_at_ms,
+        "acquired_at is the re-registration's time"
+    );
+    // Acquire answers the marker, not `held`, and no new task is admitted in the quarantine.
+    assert_eq!(
+        fx.backend.acquire(&keys, "a", TTL, 1).await.unwrap(),
+        AcquireReply::Cancelled {
+            reason: "stop a".into()
+        }
+    );
+    let quarantined = fx.backend.acquire(&keys, "c", TTL, 1).await.unwrap();
+    assert!(
+        matches!(quarantined, AcquireReply::Quarantined { remaining_ms } if remaining_ms <= 600),
+        "{quarantined:?}"
+    );
+    // Its holder releases it, as told; a renewal after that is gone, marker or not.
+    assert!(fx.backend.release(&keys, "a", Some(a.token)).await.unwrap());
+    let again = fx
+        .backend
+        .renew(&keys, TTL, &renewed_a.epoch, &[("a".into(), a.token)])
+        .await
+        .unwrap();
+    assert_eq!(again.outcomes, [RenewOutcome::Gone]);
+    // After the quarantine (one ttl from the first stale renewal), the next token is the one
+    // above the re-registered token: the cancelled re-registration raised `fence` too.
+    tokio::time::sleep(TTL + Duration::from_millis(50)).await;
+    let c = fx.backend.acquire(&keys, "c", TTL, 1).await.unwrap();
+    assert!(
+        matches!(&c, AcquireReply::Acquired(r) if r.token == a.token + 1),
+        "{c:?}"
+    );
+}
+
+/// PROTOCOL §8, limits: a cancel marker is lost with the dataset like every other key, and
+/// nothing detects it (cancel does not count in `seq`). The holder's renewal re-registers the
+/// lease as renewed, not cancelled, and the task can be acquired (held) again.
+async fn a_cancel_marker_lost_with_the_dataset_no_longer_refuses_its_task(fx: Fixture) {
+    let keys = fx.keys();
+    let a = admit(&fx, &keys, "a", TTL, 2).await;
+    assert!(fx
+        .backend
+        .cancel(&keys, "a", "stop", Duration::from_secs(60))
+        .await
+        .unwrap());
+    fx.wipe();
+    let renewed = fx
+        .backend
+        .renew(&keys, TTL, &a.epoch, &[("a".into(), a.token)])
+        .await
+        .unwrap();
+    assert!(
+        matches!(renewed.outcomes[..], [RenewOutcome::Renewed { .. }]),
+        "the marker went with the loss: {renewed:?}"
+    );
+    let again = fx.backend.acquire(&keys, "a", TTL, 2).await.unwrap();
+    assert!(
+        matches!(&again, AcquireReply::Held(r) if r.token == a.token),
+        "{again:?}"
     );
 }
