@@ -1549,7 +1549,15 @@ async fn a_cancel_marker_refuses_its_task_for_its_ttl_then_lets_it_in_again(fx: 
     for attempt in 0..TRIES {
         let keys = try_keys(&fx, attempt);
         let first = admit(&fx, &keys, "x", ttl, 2).await;
-        let s0 = backend_now(&fx, &keys).await;
+        // Cancelled at the start of a millisecond, so that the snapshots before and after it
+        // likely read the same one.
+        let previous = backend_now(&fx, &keys).await;
+        let s0 = loop {
+            let now = backend_now(&fx, &keys).await;
+            if now > previous {
+                break now;
+            }
+        };
         let held = fx
             .backend
             .cancel(&keys, "x", "stop", marker_ttl)
