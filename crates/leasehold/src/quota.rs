@@ -142,8 +142,13 @@ fn system_time(ms: u64) -> SystemTime {
 
 /// What one admission attempt produced.
 pub(crate) enum Attempt {
+    /// The task holds a slot: one this attempt took, or one it already held.
     Admitted(Lease),
-    Full { retry_after: Duration },
+    /// The task's lease in this process already held the slot: the attempt took none.
+    AlreadyHeld(Lease),
+    Full {
+        retry_after: Duration,
+    },
 }
 
 /// How long an attempt started for a waiter by a release event keeps a slot it won for that
@@ -263,7 +268,7 @@ impl Quota {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
         match self.attempt(task_id).await? {
-            Attempt::Admitted(lease) => Ok(lease),
+            Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => Ok(lease),
             Attempt::Full { .. } => Err(self.full()),
         }
     }
@@ -419,7 +424,7 @@ impl Quota {
             .join(task_id, shared.held_lease_of(task_id).is_some());
         if try_at_once {
             match self.settled(self.attempt(task_id).await)? {
-                Attempt::Admitted(lease) => return Ok(lease),
+                Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r } => {
                     retry_after = r;
                     place.idle();
@@ -461,6 +466,11 @@ impl Quota {
             };
             match self.settled(attempt.outcome().await)? {
                 Attempt::Admitted(lease) => return Ok(lease),
+                Attempt::AlreadyHeld(lease) => {
+                    // Another caller of this task won the slot a wake-up may have been for.
+                    place.took_no_slot();
+                    return Ok(lease);
+                }
                 Attempt::Full { retry_after: r } => {
                     retry_after = r;
                     place.idle();
@@ -474,7 +484,7 @@ impl Quota {
     /// instead of each at its next poll.
     fn settled(&self, outcome: Result<Attempt>) -> Result<Attempt> {
         if matches!(outcome, Err(Error::Misconfigured(_))) {
-            self.shared.waiters.wake_all();
+            self.shared.recheck_all();
         }
         outcome
     }
@@ -536,7 +546,7 @@ impl Shared {
         // A task granted a local lease keeps it, even once the backend answers again: asking
         // the backend would take it a second slot.
         if let Some(local) = self.local_lease_of(task_id).filter(|l| !l.is_over()) {
-            return StartedAttempt::Done(Ok(Attempt::Admitted(Lease::from_inner(local))));
+            return StartedAttempt::Done(Ok(Attempt::AlreadyHeld(Lease::from_inner(local))));
         }
         if self.breaker.permit() == Permit::Reject {
             // O(1), no network I/O: the circuit is open.
@@ -589,7 +599,10 @@ impl Shared {
                 }
             }
             let outcome = match reply {
-                Ok(AcquireReply::Acquired(_)) | Ok(AcquireReply::Held(_)) => Ok(Attempt::Admitted(
+                Ok(AcquireReply::Acquired(_)) => Ok(Attempt::Admitted(
+                    admitted.expect("an admission is adopted as it arrives"),
+                )),
+                Ok(AcquireReply::Held(_)) => Ok(Attempt::AlreadyHeld(
                     admitted.expect("an admission is adopted as it arrives"),
                 )),
                 Ok(AcquireReply::Full {
@@ -608,7 +621,7 @@ impl Shared {
                     match shared.lease(&id).filter(|l| !l.is_over()) {
                         // This process holds the task's lease, which its next renewal
                         // re-registers (PROTOCOL §8): it is held, not full.
-                        Some(held) => Ok(Attempt::Admitted(Lease::from_inner(held))),
+                        Some(held) => Ok(Attempt::AlreadyHeld(Lease::from_inner(held))),
                         None => Ok(Attempt::Full {
                             retry_after: Duration::from_millis(remaining_ms + 1),
                         }),
@@ -621,7 +634,9 @@ impl Shared {
                 Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
                 Err(e) => Err(e),
             };
-            if let Err(Ok(Attempt::Admitted(orphan))) = tx.send(outcome) {
+            if let Err(Ok(Attempt::Admitted(orphan) | Attempt::AlreadyHeld(orphan))) =
+                tx.send(outcome)
+            {
                 // The caller gave up. A retry of the same task already in flight will come back
                 // `held` with this very lease: keep it until that retry has adopted it, then let
                 // it go; if nobody shares it, its drop releases it at once. This attempt no longer
@@ -695,9 +710,11 @@ impl Shared {
             .wake_one_starting(|task_id| self.start_attempt_for(task_id, true));
     }
 
-    /// Wakes every waiter: events may have been missed.
-    pub(crate) fn recheck_all(&self) {
-        self.waiters.wake_all();
+    /// Wakes every waiter, the idle ones with their attempts already started in arrival order:
+    /// events may have been missed.
+    pub(crate) fn recheck_all(self: &Arc<Self>) {
+        self.waiters
+            .wake_all_starting(|task_id| self.start_attempt_for(task_id, true));
     }
 
     /// Wakes the waiters of `task_id` only: it was cancelled, and its next attempt says so.
@@ -852,7 +869,7 @@ impl Shared {
     /// slot, never `Full`, never an error for a lease it holds.
     fn when_down(self: &Arc<Self>, task_id: &str, down: Error) -> Result<Attempt> {
         if let Some(held) = self.held_lease_of(task_id) {
-            return Ok(Attempt::Admitted(Lease::from_inner(held)));
+            return Ok(Attempt::AlreadyHeld(Lease::from_inner(held)));
         }
         match self.config.when_down {
             BackendDownPolicy::FailClosed => Err(down),
@@ -871,7 +888,7 @@ impl Shared {
         let mut local = self.admissions.local();
         found = local.get(task_id).and_then(Weak::upgrade);
         if let Some(held) = found.as_ref().filter(|l| !l.is_over()) {
-            return Attempt::Admitted(Lease::from_inner(held.clone()));
+            return Attempt::AlreadyHeld(Lease::from_inner(held.clone()));
         }
         let took = self
             .admissions

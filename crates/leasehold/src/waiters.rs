@@ -36,23 +36,43 @@ pub(crate) struct Waiter {
 
 #[derive(Debug, Default)]
 struct WaiterState {
-    /// A wake-up this waiter has not taken yet.
-    asked: Asked,
+    /// Slots freed for this waiter that it has not tried for yet. Counted, not folded: two
+    /// releases before the waiter runs are two slots, and the one it does not need is passed on
+    /// when it leaves. A newcomer owed one makes later newcomers queue behind it.
+    freed: u32,
+    /// Asked to check once more: something may have been missed (lagging events, a
+    /// resubscription, a cancel).
+    recheck: bool,
     doing: Doing,
     /// True during a newcomer's first attempt, made at once: it is not in line yet, so other
     /// newcomers may try at once too.
     newcomer: bool,
 }
 
-/// A wake-up that asks a waiter to attempt, kept until the waiter takes it.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+impl WaiterState {
+    fn asked_nothing(&self) -> bool {
+        self.freed == 0 && !self.recheck
+    }
+
+    /// Takes one wake-up, a freed slot first.
+    fn take(&mut self) -> Option<Asked> {
+        if self.freed > 0 {
+            self.freed -= 1;
+            Some(Asked::FreedSlot)
+        } else if std::mem::take(&mut self.recheck) {
+            Some(Asked::Recheck)
+        } else {
+            None
+        }
+    }
+}
+
+/// What a wake-up asks of a waiter: to attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Asked {
-    #[default]
-    Nothing,
-    /// Something may have been missed (lagging events, a resubscription, a cancel).
+    /// Something may have been missed.
     Recheck,
-    /// A slot freed. A newcomer holding this is owed the slot, so later newcomers queue behind
-    /// it.
+    /// A slot freed.
     FreedSlot,
 }
 
@@ -65,7 +85,7 @@ enum Doing {
     /// slot freed, so a wake-up for that slot is still this waiter's.
     OwnAttempt,
     /// Out on an attempt a wake-up asked for.
-    WokenAttempt,
+    WokenAttempt(Asked),
 }
 
 /// A place in the queue; leaving it (drop) hands any pending wake-up to the next waiter.
@@ -101,18 +121,18 @@ impl WaitQueue {
         let trying = skip_line
             || queue.iter().all(|w| {
                 let state = w.state();
-                state.newcomer && state.asked != Asked::FreedSlot
+                state.newcomer && state.freed == 0
             });
         let waiter = Arc::new(Waiter {
             task_id: task_id.to_owned(),
             state: Mutex::new(WaiterState {
-                asked: Asked::Nothing,
                 doing: if trying {
                     Doing::OwnAttempt
                 } else {
                     Doing::Waiting
                 },
                 newcomer: trying,
+                ..WaiterState::default()
             }),
             ..Waiter::default()
         });
@@ -138,34 +158,51 @@ impl WaitQueue {
     /// is started here, by `start`, so it leaves at once from where the news arrived instead of
     /// after a hop to the waiter's own runtime and back.
     pub(crate) fn wake_one_starting(&self, start: impl FnOnce(&str) -> StartedAttempt) {
-        // `start` runs under the queue's lock: it only spawns a task, reads the short-circuit or
-        // builds a local lease, none of which comes back to this queue. A replaced attempt (a
-        // race with the waiter's own timer) is dropped after the lock, since its lease's drop
-        // takes other locks.
-        let mut replaced = None;
-        {
+        let chosen = {
             let queue = self.lock();
-            if let Some(w) = next_in_line(&queue) {
-                if w.state().doing == Doing::Waiting {
-                    replaced = w
-                        .started
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .replace(start(&w.task_id));
+            match next_in_line(&queue) {
+                Some(w) => {
+                    let mut state = w.state();
+                    // Counted now, so that no other wake-up picks this waiter meanwhile.
+                    state.freed += 1;
+                    // Out on its own attempt, it tries again at once if that one is refused.
+                    let idle = state.doing == Doing::Waiting;
+                    Some((w.clone(), idle))
                 }
-                // Out on its own attempt: it tries again at once if that one is refused.
-                w.ask(Asked::FreedSlot);
-            } else if let Some(w) = keeper(&queue) {
-                w.ask(Asked::FreedSlot);
+                None => {
+                    if let Some(w) = keeper(&queue) {
+                        w.ask(Asked::FreedSlot);
+                    }
+                    None
+                }
             }
+        };
+        if let Some((w, idle)) = chosen {
+            // Started outside the queue's lock: the drop of a lease `start` looks at may free a
+            // local slot, which comes back here.
+            let started = idle.then(|| start(&w.task_id));
+            w.wake(started);
         }
-        drop(replaced);
     }
 
-    /// Something may have been missed (lagging events, a resubscription): everyone re-checks.
-    pub(crate) fn wake_all(&self) {
-        for w in self.lock().iter() {
-            w.ask(Asked::Recheck);
+    /// Something may have been missed (lagging events, a resubscription, a misconfiguration):
+    /// every waiter re-checks. The idle ones' attempts are started here, by `start`, in arrival
+    /// order, so the oldest still asks first (each from its own runtime, a younger one could
+    /// overtake it); one already out tries again after that attempt.
+    pub(crate) fn wake_all_starting(&self, start: impl Fn(&str) -> StartedAttempt) {
+        let everyone: Vec<(Arc<Waiter>, bool)> = self
+            .lock()
+            .iter()
+            .map(|w| {
+                let mut state = w.state();
+                let idle = state.doing == Doing::Waiting && state.asked_nothing();
+                state.recheck = true;
+                (w.clone(), idle)
+            })
+            .collect();
+        for (w, idle) in everyone {
+            let started = idle.then(|| start(&w.task_id));
+            w.wake(started);
         }
     }
 
@@ -189,16 +226,30 @@ impl Waiter {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Asks this waiter to attempt (now, or after the attempt it is making). A freed slot
-    /// already promised is not turned into a mere re-check.
+    /// Asks this waiter to attempt (now, or after the attempt it is making).
     fn ask(&self, asked: Asked) {
         {
             let mut state = self.state();
-            if state.asked != Asked::FreedSlot {
-                state.asked = asked;
+            match asked {
+                Asked::FreedSlot => state.freed += 1,
+                Asked::Recheck => state.recheck = true,
             }
         }
         self.notify.notify_one();
+    }
+
+    /// Wakes this waiter, already asked, handing it the attempt `started` for it if any. A
+    /// replaced one (a race with the waiter's own timer) is dropped last, since its lease's drop
+    /// takes other locks.
+    fn wake(&self, started: Option<StartedAttempt>) {
+        let replaced = started.and_then(|attempt| {
+            self.started
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .replace(attempt)
+        });
+        self.notify.notify_one();
+        drop(replaced);
     }
 }
 
@@ -207,17 +258,17 @@ impl Waiter {
 fn next_in_line(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
     queue.iter().find(|w| {
         let state = w.state();
-        state.asked == Asked::Nothing && state.doing != Doing::WokenAttempt
+        state.asked_nothing() && !matches!(state.doing, Doing::WokenAttempt(_))
     })
 }
 
 /// Who keeps a wake-up for their next round when every waiter is attempting: the oldest one not
-/// already keeping one (so that several releases during a round of attempts are not folded into
-/// one), else the head.
+/// already keeping one (so that several releases during a round of attempts are spread), else
+/// the head, which then keeps several.
 fn keeper(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
     queue
         .iter()
-        .find(|w| w.state().asked == Asked::Nothing)
+        .find(|w| w.state().asked_nothing())
         .or_else(|| queue.front())
 }
 
@@ -230,23 +281,44 @@ impl Place<'_> {
             .is_some_and(|w| Arc::ptr_eq(w, &self.waiter))
     }
 
-    /// Waits for a wake-up. Returns true if it asked for an attempt (the waiter is then busy),
-    /// false for a mere re-check.
+    /// Waits for a wake-up, unless one is already pending. Returns true if it asks for an
+    /// attempt (the waiter is then busy), false when it was only a nudge (promoted to head).
     pub(crate) async fn woken(&self) -> bool {
-        self.waiter.notify.notified().await;
-        let mut state = self.waiter.state();
-        let attempt = std::mem::take(&mut state.asked) != Asked::Nothing;
-        if attempt {
-            state.doing = Doing::WokenAttempt;
+        if self.take_wake_up() {
+            return true;
         }
-        attempt
+        self.waiter.notify.notified().await;
+        self.take_wake_up()
     }
 
-    /// Marks the waiter busy for an attempt it makes on its own (timer or poll).
+    fn take_wake_up(&self) -> bool {
+        let mut state = self.waiter.state();
+        match state.take() {
+            Some(asked) => {
+                state.doing = Doing::WokenAttempt(asked);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Marks the waiter busy for an attempt it makes on its own (timer or poll); a wake-up
+    /// pending meanwhile is served by that attempt.
     pub(crate) fn attempting(&self) {
         let mut state = self.waiter.state();
-        state.asked = Asked::Nothing;
-        state.doing = Doing::OwnAttempt;
+        state.doing = match state.take() {
+            Some(asked) => Doing::WokenAttempt(asked),
+            None => Doing::OwnAttempt,
+        };
+    }
+
+    /// The attempt came back with a lease this task already held: it took no slot, so a freed
+    /// slot it was woken for is still owed to someone, and is passed on when this waiter leaves.
+    pub(crate) fn took_no_slot(&self) {
+        let mut state = self.waiter.state();
+        if state.doing == Doing::WokenAttempt(Asked::FreedSlot) {
+            state.freed += 1;
+        }
     }
 
     /// The attempt a waker started for this waiter, if any: the waiter uses it instead of
@@ -275,12 +347,19 @@ impl Drop for Place<'_> {
             was_head = queue.front().is_some_and(|w| Arc::ptr_eq(w, &self.waiter));
             queue.retain(|w| !Arc::ptr_eq(w, &self.waiter));
         }
-        let unused = self.waiter.state().asked;
-        if unused != Asked::Nothing {
-            // We leave with a wake-up we did not use: pass it on, as what it was (a freed slot,
-            // or a re-check that waiters who joined since never got).
-            self.queue.pass_on(unused);
-        } else if was_head {
+        let (freed, recheck) = {
+            let state = self.waiter.state();
+            (state.freed, state.recheck)
+        };
+        // We leave with wake-ups we did not use: pass them on, as what they were (freed slots,
+        // or a re-check that waiters who joined since never got).
+        for _ in 0..freed {
+            self.queue.pass_on(Asked::FreedSlot);
+        }
+        if recheck {
+            self.queue.pass_on(Asked::Recheck);
+        }
+        if freed == 0 && !recheck && was_head {
             self.queue.promote_head();
         }
     }
@@ -289,6 +368,12 @@ impl Drop for Place<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn full() -> StartedAttempt {
+        StartedAttempt::Done(Ok(crate::quota::Attempt::Full {
+            retry_after: Duration::ZERO,
+        }))
+    }
 
     /// A waiter in line: joined, and refused once.
     fn in_line(q: &WaitQueue) -> Place<'_> {
@@ -373,9 +458,7 @@ mod tests {
         let mut started = Vec::new();
         q.wake_one_starting(|id| {
             started.push(id.to_owned());
-            StartedAttempt::Done(Ok(crate::quota::Attempt::Full {
-                retry_after: Duration::ZERO,
-            }))
+            full()
         });
         assert!(
             started.is_empty(),
@@ -401,7 +484,7 @@ mod tests {
         drop((a, b));
         let q = WaitQueue::default();
         let (a, _) = q.join("a", false);
-        q.wake_all(); // a mere re-check (a resubscription) promises nothing
+        q.wake_all_starting(|_| full()); // a mere re-check (a resubscription) promises nothing
         let (b, b_tries) = q.join("b", false);
         assert!(b_tries, "newcomers do not queue behind a re-check");
         drop((a, b));
@@ -411,7 +494,7 @@ mod tests {
     async fn an_unused_re_check_is_passed_on_as_a_re_check() {
         let q = WaitQueue::default();
         let a = in_line(&q);
-        q.wake_all(); // a re-check for everyone in line: only `a`
+        q.wake_all_starting(|_| full()); // a re-check for everyone in line: only `a`
         let b = in_line(&q); // joins after it
         drop(a); // leaves without using it
         let within = |f| tokio::time::timeout(Duration::from_millis(100), f);
