@@ -16,7 +16,13 @@ pub struct Cli {
     /// Redis URL, e.g. redis://:password@127.0.0.1:6379/ or rediss://... Without it, only the
     /// in-memory backend of this one process exists, which no other process can see. `demo`
     /// takes it only from the command line, never from LEASEHOLD_REDIS_URL.
-    #[arg(long, global = true, env = "LEASEHOLD_REDIS_URL", value_name = "URL")]
+    #[arg(
+        long,
+        global = true,
+        env = "LEASEHOLD_REDIS_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub redis: Option<String>,
 
     /// The quota's name: every process using the same name on the same Redis shares its limit.

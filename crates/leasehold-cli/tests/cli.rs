@@ -429,7 +429,7 @@ fn bad_input_is_refused_before_connecting() {
 }
 
 /// Errors stay one line (a server that is not Redis answers with several), and a URL's
-/// password never reaches the terminal.
+/// password never reaches the terminal, in an error or in the help.
 #[test]
 fn errors_are_one_line_and_never_show_a_password() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -457,6 +457,19 @@ fn errors_are_one_line_and_never_show_a_password() {
     assert_eq!(out.status.code(), Some(78), "{err}");
     assert!(!err.contains("s3cret"), "{err}");
     assert!(err.contains("admin:***@"), "{err}");
+
+    // Help shows that the variable exists, never its value.
+    for help in [&["--help"][..], &["status", "-h"][..]] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .args(help)
+            .env("LEASEHOLD_REDIS_URL", "redis://admin:s3cret@127.0.0.1:1/")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{text}");
+        assert!(text.contains("LEASEHOLD_REDIS_URL"), "{text}");
+        assert!(!text.contains("s3cret"), "{help:?}: {text}");
+    }
 }
 
 /// A closed or full stdout is an error line and an exit code, never a panic; a release that
