@@ -42,6 +42,41 @@ async fn a_wrong_typed_key_is_misconfiguration_never_full() {
     );
 }
 
+/// Whichever of the quota's keys holds a foreign value, the failed call takes no slot and no
+/// token: the next acquire, once the key is gone, gets token 1, and the task was never held.
+#[tokio::test]
+async fn a_wrong_typed_key_leaves_no_half_written_lease() {
+    let server = RedisServer::start();
+    for (key, foreign) in [
+        ("leases", &["SET", "x"][..]),
+        ("holders", &["SET", "x"][..]),
+        ("fence", &["HSET", "f", "1"][..]),
+        ("limit", &["SET", "x"][..]),
+        ("epoch", &["SET", "x"][..]),
+    ] {
+        let name = format!("typed-{key}");
+        let full_key = format!("leasehold:{{{name}}}:{key}");
+        let mut set = vec![foreign[0], full_key.as_str()];
+        set.extend(&foreign[1..]);
+        server.command(&set);
+        let quota = quota_on(&server, &name, 5, Duration::from_secs(5)).await;
+        let err = quota.try_acquire("t").await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Misconfigured(Misconfiguration::WrongType { .. })
+            ),
+            "{key}: {err:?}"
+        );
+        server.command(&["DEL", &full_key]);
+        let status = quota.status().await.unwrap();
+        assert!(status.holders.is_empty(), "{key}: {:?}", status.holders);
+        let lease = quota.try_acquire("u").await.unwrap();
+        assert_eq!(lease.fencing_token(), 1, "{key}: a token was taken");
+        assert!(!quota.force_release("t").await.unwrap(), "{key}: t was held");
+    }
+}
+
 #[tokio::test]
 async fn credentials_are_checked_at_connect() {
     let server = RedisServer::start_with(&["--requirepass", "s3cret"]);

@@ -191,9 +191,11 @@ if refused then
   end
 end
 if #admitted > 0 then
+  -- The holders hash first: it is the one key this script may write without having read it, so
+  -- a foreign value there fails the call (WRONGTYPE) before any slot or token is taken.
+  redis.call('HSET', KEYS[2], unpack(admitted_meta))
   redis.call('SET', KEYS[3], string.format('%d', fence))
   redis.call('ZADD', KEYS[1], unpack(admitted))
-  redis.call('HSET', KEYS[2], unpack(admitted_meta))
 end
 if extended or #admitted > 0 then
   out[3] = redis.call('HINCRBY', KEYS[4], 'seq', 1)
