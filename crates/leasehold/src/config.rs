@@ -256,7 +256,7 @@ impl QuotaBuilder {
     fn settings(&self) -> Result<(QuotaKeys, QuotaConfig)> {
         let keys = QuotaKeys::new(&self.name)?;
         let limit = VersionedLimit {
-            limit: validate_limit(self.limit.ok_or(Misconfiguration::InvalidLimit(0))?)?,
+            limit: validate_limit(self.limit.ok_or(Misconfiguration::MissingLimit)?)?,
             version: validate_limit_version(self.limit_version)?,
         };
         let timing = |why: String| Misconfiguration::InvalidTiming(why);
@@ -362,7 +362,13 @@ mod tests {
     #[test]
     fn settings_are_checked_before_any_call() {
         let q = || QuotaBuilder::new("q").limit(3);
-        assert!(misconfigured(QuotaBuilder::new("q")), "limit is required");
+        assert!(
+            matches!(
+                QuotaBuilder::new("q").build(),
+                Err(crate::Error::Misconfigured(Misconfiguration::MissingLimit))
+            ),
+            "limit is required, and said so"
+        );
         assert!(misconfigured(q().limit(0)));
         assert!(misconfigured(
             q().limit_version(crate::MAX_LIMIT_VERSION + 1)

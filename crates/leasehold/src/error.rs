@@ -47,6 +47,9 @@ impl std::fmt::Display for LostReason {
 /// What is wrong with the configuration or the input; retrying will not help.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Misconfiguration {
+    /// The builder was never given a limit.
+    #[error("no limit set: QuotaBuilder::limit is required (1 to {max})", max = crate::MAX_LIMIT)]
+    MissingLimit,
     /// The limit is 0 or above [`MAX_LIMIT`](crate::MAX_LIMIT).
     #[error("invalid limit {0}: must be between 1 and {max}", max = crate::MAX_LIMIT)]
     InvalidLimit(u64),

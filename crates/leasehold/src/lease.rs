@@ -16,9 +16,12 @@ use crate::runtime;
 ///
 /// While a `Lease` lives, leasehold renews it in the background (one batched call per heartbeat
 /// for all leases admitted through one [`Quota`](crate::Quota) handle and its clones). Dropping
-/// it releases the slot in the background; [`release`](Lease::release) does it now and reports
-/// errors. Clones of a `Lease` (and handles returned by an idempotent re-acquire of the same task
-/// id) share one lease: it is released when the last of them is dropped, or at the first explicit
+/// it releases the slot in the background, shortly after (an acquire right after the drop may
+/// still find the slot taken); [`release`](Lease::release) does it now and reports errors.
+/// A background release is lost if the process exits before it is sent (returning from `main`
+/// ends it), and the slot then stays taken for one ttl: `release().await` before exiting.
+/// Clones of a `Lease` (and handles returned by an idempotent re-acquire of the same task id)
+/// share one lease: it is released when the last of them is dropped, or at the first explicit
 /// `release`.
 ///
 /// A lease can be lost while held: await [`lost`](Lease::lost) (or watch
@@ -251,7 +254,11 @@ impl Lease {
     }
 
     /// The fencing token of this admission: it increases with every admission in the quota, so
-    /// a resource that can check it may reject a stale holder.
+    /// a resource that can check it may reject a stale holder. Tokens are kept in Redis: if Redis
+    /// loses the quota's keys (a restart without persistence), they go on from the highest token
+    /// that a surviving holder re-registers, or from 1 if none does (after a quarantine of one
+    /// ttl; docs/PROTOCOL.md §8): a resource that keeps tokens across such a loss cannot rely on
+    /// them alone.
     pub fn fencing_token(&self) -> u64 {
         self.inner.token
     }

@@ -73,7 +73,10 @@ async fn a_wrong_typed_key_leaves_no_half_written_lease() {
         assert!(status.holders.is_empty(), "{key}: {:?}", status.holders);
         let lease = quota.try_acquire("u").await.unwrap();
         assert_eq!(lease.fencing_token(), 1, "{key}: a token was taken");
-        assert!(!quota.force_release("t").await.unwrap(), "{key}: t was held");
+        assert!(
+            !quota.force_release("t").await.unwrap(),
+            "{key}: t was held"
+        );
     }
 }
 
