@@ -143,23 +143,20 @@ async fn release(lease: &Lease) {
     }
 }
 
-/// The wait ended without a lease, but an admission attempt may still be on its way to Redis,
-/// and the process exits before the library could give back what it admits. A task id this run
-/// generated is unique to it, so any lease under that id is this run's own, never taken up:
-/// release it by id (bounded in time). A task id given by the user may be shared with another
-/// process, so it is left alone: such a slot frees when the lease expires, one ttl later.
+/// The wait ended without a lease, but an admission attempt may still be on its way to Redis.
+/// The library releases a late admission nobody takes, in the background: wait until it has
+/// (`Quota::flush`), since the process exits next. Then release the id once more: an attempt
+/// whose reply was lost (a connection dropped after Redis ran it) admitted nothing the library
+/// knows of. Only for a task id this run generated, which is unique to it: a task id given by
+/// the user may be shared with another process, so it is left alone (such a slot frees when the
+/// lease expires, one ttl later). Bounded in time.
 async fn give_back_unclaimed(quota: &Quota, task_id: &str, generated: bool) {
     if !generated {
         return;
     }
-    // An attempt still queued in this process, or whose reply is late on a busy machine, may
-    // admit after a first release: release again a few times as they would land. The whole
-    // give-back is bounded (a call times out after 1 s).
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        for pause in [50, 150, 300] {
-            tokio::time::sleep(Duration::from_millis(pause)).await;
-            let _ = quota.force_release(task_id).await;
-        }
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
+        quota.flush().await;
+        let _ = quota.force_release(task_id).await;
     })
     .await;
 }

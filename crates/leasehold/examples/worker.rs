@@ -8,6 +8,9 @@
 //!     START after the lease was granted, END before it is released.
 //! worker try URL QUOTA LIMIT TTL_MS TASK_ID
 //!     one admission attempt; prints "acquired TOKEN" or "full".
+//! worker drop URL QUOTA LIMIT TTL_MS TASK_ID FLUSH
+//!     one admission attempt; prints "acquired TOKEN" (or fails), drops the lease, awaits
+//!     `Quota::flush` if FLUSH is "flush", and exits the process at once (`process::exit`).
 //! worker hold URL QUOTA LIMIT TTL_MS TASK_ID HOLD_MS
 //!     acquire (waiting), print "acquired TOKEN", hold HOLD_MS while renewing, print "held" if
 //!     the lease was never lost (else "lost REASON"), release.
@@ -90,6 +93,15 @@ async fn main() -> Result<(), Error> {
             Err(Error::Full { .. }) => println!("full"),
             Err(e) => return Err(e),
         },
+        "drop" => {
+            let lease = quota.try_acquire(arg(&args, 5)).await?;
+            println!("acquired {}", lease.fencing_token());
+            drop(lease);
+            if arg(&args, 6) == "flush" {
+                quota.flush().await;
+            }
+            std::process::exit(0);
+        }
         "hold" => {
             let lease = quota.acquire(arg(&args, 5)).await?;
             println!("acquired {}", lease.fencing_token());

@@ -19,7 +19,8 @@ use crate::runtime;
 /// it releases the slot in the background, shortly after (an acquire right after the drop may
 /// still find the slot taken); [`release`](Lease::release) does it now and reports errors.
 /// A background release is lost if the process exits before it is sent (returning from `main`
-/// ends it), and the slot then stays taken for one ttl: `release().await` before exiting.
+/// ends it), and the slot then stays taken for one ttl: `release().await`, or await
+/// [`Quota::flush`](crate::Quota::flush), before exiting.
 /// Clones of a `Lease` (and handles returned by an idempotent re-acquire of the same task id)
 /// share one lease: it is released when the last of them is dropped, or at the first explicit
 /// `release`.
@@ -233,7 +234,9 @@ impl Drop for LeaseInner {
             let quota = self.quota.clone();
             let task_id = std::mem::take(&mut self.task_id);
             let token = self.token;
+            let work = quota.pending.start();
             runtime::spawn(async move {
+                let _work = work;
                 if let Err(e) = quota.release_in_backend(&task_id, Some(token)).await {
                     tracing::warn!(quota = %quota.keys.name, %task_id, token, error = %e,
                         "background release failed; the lease will expire after its ttl");
@@ -364,10 +367,12 @@ impl Lease {
             return Ok(());
         }
         let inner = self.inner.clone();
+        let work = inner.quota.pending.start();
         // Sent from leasehold's runtime, so that a caller who stops waiting (a timeout, a
         // `select!`) cannot cancel it half-way: the claim above already keeps the drop from
         // sending it.
         runtime::finish(async move {
+            let _work = work;
             let result = inner
                 .quota
                 .release_in_backend(&inner.task_id, Some(inner.token))

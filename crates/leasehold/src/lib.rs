@@ -43,6 +43,7 @@ mod events;
 mod heartbeat;
 mod keys;
 mod lease;
+mod pending;
 mod quota;
 mod runtime;
 mod task_turns;

@@ -17,6 +17,7 @@ use crate::config::{QuotaBuilder, QuotaConfig};
 use crate::error::{Error, LostReason, Misconfiguration, Result};
 use crate::keys::{validate_limit, validate_limit_version, validate_task_id, QuotaKeys};
 use crate::lease::{Lease, LeaseInner};
+use crate::pending::Pending;
 use crate::waiters::WaitQueue;
 use crate::{admissions, heartbeat, runtime};
 
@@ -75,6 +76,8 @@ pub(crate) struct Shared {
     /// Wakes the renewal task for a new lease whose local deadline comes first.
     pub(crate) alarm: Arc<heartbeat::Alarm>,
     pub(crate) breaker: Breaker,
+    /// Background work other processes depend on, for [`Quota::flush`].
+    pub(crate) pending: Arc<Pending>,
 }
 
 /// The longest an admission whose caller gave up waits for another attempt of the same task in
@@ -216,6 +219,7 @@ impl Quota {
             shutdown: CancellationToken::new(),
             alarm: Arc::default(),
             breaker: Breaker::new(config.breaker),
+            pending: Arc::default(),
             config,
         });
         heartbeat::start(&shared);
@@ -383,6 +387,26 @@ impl Quota {
             LimitUpdate::Mismatch(stored) => Err(Misconfiguration::limit_mismatch(limit, stored)),
             done => Ok(done),
         }
+    }
+
+    /// Waits until the work this handle (and its clones) left in the background has reached the
+    /// backend: the releases of dropped leases, and admission attempts still in flight, whose
+    /// late admission is released if nobody takes it (an `acquire_timeout` that gave up, an
+    /// `acquire` future dropped). Await it before the process exits: that work runs on
+    /// leasehold's own thread, which dies with the process, and a release never sent leaves its
+    /// slot taken for one ttl. Returns at once when nothing is under way; each backend call is
+    /// bounded by its timeout.
+    ///
+    /// ```
+    /// # async fn demo() -> leasehold::Result<()> {
+    /// let quota = leasehold::Quota::builder("reports").limit(4).build()?;
+    /// let lease = quota.try_acquire("report-17").await?;
+    /// drop(lease); // released in the background...
+    /// quota.flush().await; // ...and sent before `main` returns
+    /// # Ok(()) }
+    /// ```
+    pub async fn flush(&self) {
+        self.shared.pending.finished().await;
     }
 
     /// Cancels `task_id`, wherever it runs: writes the cancel marker (the truth, kept for the
@@ -563,7 +587,10 @@ impl Shared {
         };
         let shared = self.clone();
         let id = task_id.to_owned();
+        let work = self.pending.start();
         runtime::spawn(async move {
+            // Dropped last: a late admission nobody takes is let go before `flush` returns.
+            let _work = work;
             let counted = AttemptInFlight::new(&shared, &id);
             let (reply, admitted, sent) = {
                 // Adopted before the turn ends, so that a release of this task that waits for

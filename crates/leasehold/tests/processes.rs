@@ -265,6 +265,32 @@ fn a_killed_holder_is_reclaimed_one_ttl_later_and_a_waiter_gets_the_slot() {
     );
 }
 
+/// A process that drops its lease and exits at once leaves the slot taken for a whole ttl
+/// unless it awaits `Quota::flush` first: the release runs on leasehold's thread, which dies
+/// with the process. With `flush`, no lease is left behind, every time.
+#[test]
+fn a_process_that_flushes_before_exiting_leaves_no_lease_behind() {
+    let server = RedisServer::start();
+    let leftovers = |quota: &str, flush: &str| -> usize {
+        for i in 0..6 {
+            let id = format!("task-{i}");
+            let worker = Worker::spawn(
+                &[],
+                &args(&[&"drop", &server.url(), &quota, &100, &30_000, &id, &flush]),
+            );
+            let line = worker.next_line(Duration::from_secs(20));
+            assert!(line.starts_with("acquired"), "{line}");
+            worker.wait(Duration::from_secs(20));
+        }
+        let key = format!("leasehold:{{{quota}}}:leases");
+        let held = server.command(&["ZCARD", &key]);
+        held.as_int().unwrap_or_else(|| panic!("ZCARD: {held:?}")) as usize
+    };
+    let unflushed = leftovers("dropped", "no");
+    println!("without flush: {unflushed} of 6 dropped leases left held after exit");
+    assert_eq!(leftovers("flushed", "flush"), 0, "leases left after flush");
+}
+
 #[test]
 fn client_clocks_an_hour_off_change_nothing() {
     assert!(
