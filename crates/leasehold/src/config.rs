@@ -23,6 +23,12 @@ pub const MAX_CANCEL_MARKER_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 static EMBEDDED: LazyLock<Arc<MemoryBackend>> = LazyLock::new(|| Arc::new(MemoryBackend::new()));
 
 /// What a quota answers when the backend cannot (errors, timeouts, an open circuit).
+///
+/// A lease granted without the backend ([`Lease::is_local`](crate::Lease::is_local)) lasts
+/// until it is released or dropped: it is not renewed, does not expire, and is not registered in
+/// the backend once it answers again. Until such leases end, the fleet may hold more than the
+/// limit; that is the price of admitting during an outage. A task that holds one keeps it (its
+/// acquire returns it) even after the backend is back, so it never takes a second slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BackendDownPolicy {
     /// No admission without a positive answer from the backend: callers get
