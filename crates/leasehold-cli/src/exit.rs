@@ -1,6 +1,6 @@
 //! Exit codes (stable; documented in docs/CLI.md) and the one-line error that goes with them.
 
-use leasehold::Error;
+use leasehold::{Error, Misconfiguration};
 
 /// Usage error (clap's own code).
 pub const USAGE: i32 = 2;
@@ -69,6 +69,22 @@ impl From<Error> for Failure {
             Error::BackendUnavailable(_) => UNAVAILABLE,
             Error::Misconfigured(_) => CONFIG,
         };
+        if let Error::Misconfigured(Misconfiguration::LimitMismatch {
+            configured,
+            stored,
+            version,
+        }) = e
+        {
+            // The library's text speaks of a handle; here the limit came from the command line.
+            return Failure::new(
+                code,
+                format!(
+                    "limit mismatch: limit {configured} asked, but the quota stores limit \
+                     {stored} under the same limit version {version}; give --limit-version above \
+                     {version} to change the limit"
+                ),
+            );
+        }
         Failure::new(code, e.to_string())
     }
 }

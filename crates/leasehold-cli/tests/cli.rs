@@ -532,6 +532,10 @@ fn limit_versions_decide_the_limit_and_a_mismatch_exits_78() {
     let err = stderr(&mismatch);
     assert_eq!(mismatch.status.code(), Some(78), "{err}");
     assert!(err.contains("limit mismatch"), "{err}");
+    // In the command line's words: what was asked, and which flag changes it.
+    assert!(err.contains("limit 3 asked"), "{err}");
+    assert!(err.contains("--limit-version above 1"), "{err}");
+    assert!(!err.contains("handle"), "{err}");
     assert_eq!(holders(&server, "lv"), 1, "the refused run took no slot");
     // An older version runs under the stored limit 2, not its own 1 (which is full).
     let older = try_once(&server.url(), "lv", &["--limit", "1"]);
