@@ -77,6 +77,10 @@ pub enum Misconfiguration {
     /// contains control characters.
     #[error("invalid task id: {0}")]
     InvalidTaskId(String),
+    /// A cancel reason is longer than
+    /// [`MAX_CANCEL_REASON_BYTES`](crate::MAX_CANCEL_REASON_BYTES).
+    #[error("invalid cancel reason: {0}")]
+    InvalidCancelReason(String),
     /// The quota name would break the key scheme.
     #[error("invalid quota name: {0}")]
     InvalidQuotaName(String),

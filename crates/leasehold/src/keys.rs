@@ -15,6 +15,10 @@ pub const MAX_LIMIT_VERSION: u64 = (1 << 53) - 1;
 /// Largest task id, in bytes.
 pub const MAX_TASK_ID_BYTES: usize = 1024;
 
+/// Largest cancel reason, in bytes: it is stored in the cancel marker and sent to every
+/// subscriber of the quota.
+pub const MAX_CANCEL_REASON_BYTES: usize = 1024;
+
 /// Largest quota name, in bytes.
 pub const MAX_QUOTA_NAME_BYTES: usize = 256;
 
@@ -105,6 +109,19 @@ pub fn validate_task_id(id: &str) -> Result<()> {
     }
     if id.chars().any(char::is_control) {
         return bad("control characters are not allowed");
+    }
+    Ok(())
+}
+
+/// Rejects a cancel reason longer than [`MAX_CANCEL_REASON_BYTES`].
+pub fn validate_cancel_reason(reason: &str) -> Result<()> {
+    if reason.len() > MAX_CANCEL_REASON_BYTES {
+        let shown: String = reason.chars().take(40).collect();
+        return Err(Misconfiguration::InvalidCancelReason(format!(
+            "{shown:?}...: {} bytes, at most {MAX_CANCEL_REASON_BYTES}",
+            reason.len()
+        ))
+        .into());
     }
     Ok(())
 }

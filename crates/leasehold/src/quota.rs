@@ -15,7 +15,9 @@ use crate::breaker::{Breaker, BreakerMode, Permit};
 use crate::config::BackendDownPolicy;
 use crate::config::{QuotaBuilder, QuotaConfig};
 use crate::error::{Error, LostReason, Misconfiguration, Result};
-use crate::keys::{validate_limit, validate_limit_version, validate_task_id, QuotaKeys};
+use crate::keys::{
+    validate_cancel_reason, validate_limit, validate_limit_version, validate_task_id, QuotaKeys,
+};
 use crate::lease::{Lease, LeaseInner};
 use crate::pending::Pending;
 use crate::waiters::WaitQueue;
@@ -417,9 +419,11 @@ impl Quota {
     /// [`Error::Cancelled`]. What the holder does then is its own choice.
     ///
     /// Returns whether the task held a lease; cancelling a task that holds none is not an error
-    /// (it may be queued, or not started yet).
+    /// (it may be queued, or not started yet). A reason longer than
+    /// [`MAX_CANCEL_REASON_BYTES`](crate::MAX_CANCEL_REASON_BYTES) is refused before any call.
     pub async fn cancel(&self, task_id: &str, reason: &str) -> Result<bool> {
         validate_task_id(task_id)?;
+        validate_cancel_reason(reason)?;
         self.shared
             .backend
             .cancel(

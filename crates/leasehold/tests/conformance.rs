@@ -621,6 +621,18 @@ async fn invalid_input_is_rejected(fx: Fixture) {
         Err(Error::Misconfigured(Misconfiguration::InvalidTaskId(_)))
     ));
     assert!(quota.status().await.unwrap().holders.is_empty());
+    // A cancel reason is kept in a marker and sent to every subscriber: bounded, and checked
+    // before anything is written (the task stays admissible).
+    let long = "r".repeat(leasehold::MAX_CANCEL_REASON_BYTES + 1);
+    assert!(matches!(
+        quota.cancel("t", &long).await,
+        Err(Error::Misconfigured(Misconfiguration::InvalidCancelReason(
+            _
+        )))
+    ));
+    let longest = "r".repeat(leasehold::MAX_CANCEL_REASON_BYTES);
+    assert!(!quota.cancel("u", &longest).await.unwrap());
+    quota.try_acquire("t").await.unwrap();
 }
 
 async fn status_lists_holders_with_tokens(fx: Fixture) {
