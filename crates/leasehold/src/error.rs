@@ -128,11 +128,44 @@ impl Misconfiguration {
     }
 }
 
+/// Why an admission found no slot: what an operator does next differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FullCause {
+    /// Every slot is held: the backend counts as many live leases as the limit it stores.
+    NoSlot,
+    /// The backend lost the quota's state (a restart without persistence, a failover to a
+    /// lagging replica): it admits nobody for about one ttl, so that the holders still running
+    /// re-register first (docs/PROTOCOL.md §8). `remaining` is what was left of that pause.
+    Quarantined {
+        /// Time left of the pause when the backend answered.
+        remaining: Duration,
+    },
+    /// The backend cannot answer, and this process already holds the share of leases its
+    /// [`BackendDownPolicy::DegradeLocal`](crate::BackendDownPolicy::DegradeLocal) allows.
+    LocalShareUsed,
+}
+
+fn full_text(quota: &str, cause: &FullCause) -> String {
+    match cause {
+        FullCause::NoSlot => format!("quota {quota:?} is full (no slot free)"),
+        FullCause::Quarantined { remaining } => format!(
+            "quota {quota:?} admits nobody for {} ms more: the backend lost its state, and the \
+             holders still running re-register first",
+            remaining.as_millis()
+        ),
+        FullCause::LocalShareUsed => format!(
+            "quota {quota:?}: the backend is unavailable, and this process holds all the leases \
+             its backend-down policy grants"
+        ),
+    }
+}
+
 /// Every error leasehold returns.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
-    /// No slot is free right now ([`Quota::try_acquire`](crate::Quota::try_acquire)).
-    #[error("quota {quota:?} is full (no slot free; this handle's limit is {limit})")]
+    /// No slot is free right now ([`Quota::try_acquire`](crate::Quota::try_acquire)); `cause`
+    /// says why.
+    #[error("{}", full_text(quota, cause))]
     Full {
         /// The quota's name.
         quota: String,
@@ -140,6 +173,8 @@ pub enum Error {
         /// stores, which a client with a higher limit version may have set
         /// ([`Status::effective_limit`](crate::Status::effective_limit)).
         limit: u32,
+        /// Why no slot was free.
+        cause: FullCause,
     },
     /// No slot became free within the time the caller allowed.
     #[error("no slot in quota {quota:?} within {waited:?}")]

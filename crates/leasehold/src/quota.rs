@@ -14,7 +14,7 @@ use crate::backend::{AcquireReply, Backend, LeaseRecord, LimitUpdate, VersionedL
 use crate::breaker::{Breaker, BreakerMode, Permit};
 use crate::config::BackendDownPolicy;
 use crate::config::{QuotaBuilder, QuotaConfig};
-use crate::error::{Error, LostReason, Misconfiguration, Result};
+use crate::error::{Error, FullCause, LostReason, Misconfiguration, Result};
 use crate::keys::{
     validate_cancel_reason, validate_limit, validate_limit_version, validate_task_id, QuotaKeys,
 };
@@ -147,12 +147,13 @@ fn system_time(ms: u64) -> SystemTime {
 
 /// What one admission attempt produced.
 pub(crate) enum Attempt {
-    /// The task holds a slot: one this attempt took, or one it already held.
+    /// The task holds a slot this attempt took (in the backend, or locally by the policy).
     Admitted(Lease),
     /// The task's lease in this process already held the slot: the attempt took none.
     AlreadyHeld(Lease),
     Full {
         retry_after: Duration,
+        cause: FullCause,
     },
 }
 
@@ -275,7 +276,7 @@ impl Quota {
         self.shared.listen_in_background();
         match self.attempt(task_id).await? {
             Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => Ok(lease),
-            Attempt::Full { .. } => Err(self.full()),
+            Attempt::Full { cause, .. } => Err(self.full(cause)),
         }
     }
 
@@ -435,10 +436,11 @@ impl Quota {
             .await
     }
 
-    fn full(&self) -> Error {
+    fn full(&self, cause: FullCause) -> Error {
         Error::Full {
             quota: self.name().to_owned(),
             limit: self.limit(),
+            cause,
         }
     }
 
@@ -453,7 +455,7 @@ impl Quota {
         if try_at_once {
             match self.settled(self.attempt(task_id).await)? {
                 Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => return Ok(lease),
-                Attempt::Full { retry_after: r } => {
+                Attempt::Full { retry_after: r, .. } => {
                     retry_after = r;
                     place.idle();
                 }
@@ -499,7 +501,7 @@ impl Quota {
                     place.took_no_slot();
                     return Ok(lease);
                 }
-                Attempt::Full { retry_after: r } => {
+                Attempt::Full { retry_after: r, .. } => {
                     retry_after = r;
                     place.idle();
                 }
@@ -625,6 +627,7 @@ impl Shared {
                     // A waiter that runs later tries again at once.
                     let _ = tx.send(Ok(Attempt::Full {
                         retry_after: Duration::ZERO,
+                        cause: FullCause::NoSlot,
                     }));
                     return;
                 }
@@ -644,7 +647,10 @@ impl Shared {
                     let retry_after =
                         Duration::from_millis(earliest_deadline_ms.saturating_sub(now_ms) + 1);
                     shared.waiters.note_expiry(Instant::now() + retry_after);
-                    Ok(Attempt::Full { retry_after })
+                    Ok(Attempt::Full {
+                        retry_after,
+                        cause: FullCause::NoSlot,
+                    })
                 }
                 Ok(AcquireReply::Quarantined { remaining_ms }) => {
                     tracing::warn!(quota = %shared.keys.name, remaining_ms,
@@ -655,6 +661,9 @@ impl Shared {
                         Some(held) => Ok(Attempt::AlreadyHeld(Lease::from_inner(held))),
                         None => Ok(Attempt::Full {
                             retry_after: Duration::from_millis(remaining_ms + 1),
+                            cause: FullCause::Quarantined {
+                                remaining: Duration::from_millis(remaining_ms),
+                            },
                         }),
                     }
                 }
@@ -931,6 +940,7 @@ impl Shared {
         if !took {
             return Attempt::Full {
                 retry_after: self.config.breaker.cool_down,
+                cause: FullCause::LocalShareUsed,
             };
         }
         tracing::warn!(quota = %self.keys.name, task_id, policy = ?self.config.when_down,

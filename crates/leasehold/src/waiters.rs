@@ -372,6 +372,7 @@ mod tests {
     fn full() -> StartedAttempt {
         StartedAttempt::Done(Ok(crate::quota::Attempt::Full {
             retry_after: Duration::ZERO,
+            cause: crate::FullCause::NoSlot,
         }))
     }
 

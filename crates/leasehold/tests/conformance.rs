@@ -66,7 +66,21 @@ async fn admits_up_to_the_limit_then_full(fx: Fixture) {
         leases.push(quota.try_acquire(&format!("t{i}")).await.unwrap());
     }
     let err = quota.try_acquire("t3").await.unwrap_err();
-    assert!(matches!(err, Error::Full { limit: 3, .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::Full {
+                limit: 3,
+                cause: leasehold::FullCause::NoSlot,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.to_string(),
+        format!("quota {:?} is full (no slot free)", quota.name())
+    );
     let tokens: Vec<u64> = leases.iter().map(|l| l.fencing_token()).collect();
     assert!(
         tokens.windows(2).all(|w| w[0] < w[1]),

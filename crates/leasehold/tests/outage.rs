@@ -120,10 +120,21 @@ async fn degrade_local_admits_up_to_its_share_while_redis_is_down() {
     let a = quota.try_acquire("a").await.unwrap();
     let b = quota.try_acquire("b").await.unwrap();
     assert!(a.is_local() && b.is_local());
-    assert!(matches!(
-        quota.try_acquire("c").await,
-        Err(Error::Full { .. })
-    ));
+    let full = quota.try_acquire("c").await.unwrap_err();
+    assert!(
+        matches!(
+            full,
+            Error::Full {
+                cause: leasehold::FullCause::LocalShareUsed,
+                ..
+            }
+        ),
+        "{full:?}"
+    );
+    assert!(
+        full.to_string().contains("backend is unavailable"),
+        "{full}"
+    );
     drop(a);
     let c = quota.try_acquire("c").await.unwrap();
     assert!(c.is_local());

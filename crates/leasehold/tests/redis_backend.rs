@@ -1324,9 +1324,20 @@ async fn a_store_that_went_back_is_a_loss_and_busy_clients_are_no_false_alarm() 
 
     // The store goes back: the calls both clients saw are gone.
     server.command(&["HSET", "leasehold:{seq}:epoch", "seq", "1"]);
+    let quarantined = one.try_acquire("after").await.unwrap_err();
     assert!(
-        matches!(one.try_acquire("after").await, Err(Error::Full { .. })),
-        "quarantined"
+        matches!(
+            quarantined,
+            Error::Full {
+                cause: leasehold::FullCause::Quarantined { remaining },
+                ..
+            } if remaining > Duration::ZERO && remaining <= Duration::from_secs(5)
+        ),
+        "{quarantined:?}"
+    );
+    assert!(
+        quarantined.to_string().contains("lost its state"),
+        "{quarantined}"
     );
     assert_ne!(epoch(), Some(before), "a new epoch");
     assert!(
