@@ -165,11 +165,16 @@ async fn a_database_the_server_does_not_have_is_misconfiguration() {
 #[tokio::test]
 async fn an_unreachable_server_fails_fast_as_unavailable() {
     let started = Instant::now();
-    let err = RedisBackend::connect(&format!("redis://127.0.0.1:{}/", free_port()))
+    let port = free_port();
+    let err = RedisBackend::connect(&format!("redis://user:s3cret@127.0.0.1:{port}/"))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
     assert!(err.is_transient());
+    // It names the server (a process may use several), never the password.
+    let text = err.to_string();
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
     assert!(
         started.elapsed() < Duration::from_secs(3),
         "{:?}",

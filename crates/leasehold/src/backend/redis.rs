@@ -255,6 +255,13 @@ impl RedisBackend {
             Ok(backend)
         })
         .await
+        .map_err(|e| match e {
+            // Say which server: a process may use several.
+            Error::BackendUnavailable(why) => {
+                Error::BackendUnavailable(format!("{}: {why}", redacted(url)))
+            }
+            other => other,
+        })
     }
 
     /// Sends one raw command through the backend's connection, with the call timeout. Meant for
