@@ -118,11 +118,8 @@ async fn a_re_check_after_subscribing_keeps_arrival_order() {
         let backend = Arc::new(Switchable::default());
         let name = common::unique("recheck-order");
         let quota = || {
-            leasehold::Quota::builder(name.clone())
-                .limit(1)
-                .ttl(Duration::from_secs(30))
+            common::quota_with(backend.clone(), &name, 1, Duration::from_secs(30))
                 .poll_interval(Duration::from_secs(10))
-                .shared_backend(backend.clone())
                 .build()
                 .unwrap()
         };
