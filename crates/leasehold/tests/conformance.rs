@@ -235,10 +235,15 @@ async fn dataset_loss_quarantines_admissions_while_holders_re_register(fx: Fixtu
         quota.try_acquire("early").await,
         Err(Error::Full { .. })
     ));
-    // ...and the holder's renewals must still re-register the forgotten lease.
-    tokio::time::sleep(heartbeat * 2).await;
+    // ...and the holder's renewals must still re-register the forgotten lease (waited for,
+    // not assumed done after a fixed sleep).
+    let mut status = quota.status().await.unwrap();
+    let until = Instant::now() + heartbeat * 3;
+    while status.holders.is_empty() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        status = quota.status().await.unwrap();
+    }
     assert!(old.is_held(), "{:?}", old.lost_reason());
-    let status = quota.status().await.unwrap();
     assert_eq!(status.holders.len(), 1, "the old holder re-registered");
     assert_eq!(status.holders[0].fencing_token, old.fencing_token());
     assert!(
@@ -500,7 +505,7 @@ async fn waiter_is_admitted_after_an_expiry_by_its_timer(fx: Fixture) {
 
 async fn waiters_are_served_in_arrival_order(fx: Fixture) {
     let quota = fx
-        .builder(1, TTL)
+        .builder(1, Duration::from_secs(30)) // no safety-net poll (≤ ttl) inside the test
         .poll_interval(Duration::from_secs(20))
         .build()
         .unwrap();
@@ -677,11 +682,12 @@ async fn status_lists_holders_with_tokens(fx: Fixture) {
 /// A holder of task "job" (subscribed to events or not) and a canceller on another client.
 async fn holder_and_canceller(
     fx: &Fixture,
+    ttl: Duration,
     heartbeat: Duration,
     events: bool,
 ) -> (leasehold::Lease, leasehold::Quota) {
     let quota = fx
-        .builder(1, TTL)
+        .builder(1, ttl)
         .heartbeat(heartbeat)
         .events(events)
         .build()
@@ -696,18 +702,21 @@ async fn holder_and_canceller(
 }
 
 async fn cancel_reaches_the_holder_at_once(fx: Fixture) {
-    let (lease, canceller) = holder_and_canceller(&fx, Duration::from_millis(190), true).await;
+    // Renewals every 5 s: only the message can bring the cancel within the bound below.
+    let heartbeat = Duration::from_secs(5);
+    let (lease, canceller) =
+        holder_and_canceller(&fx, Duration::from_secs(10), heartbeat, true).await;
     let sent = Instant::now();
     assert!(canceller.cancel("job", "user pressed stop").await.unwrap());
-    let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
+    let reason = tokio::time::timeout(Duration::from_secs(4), lease.lost())
         .await
         .unwrap();
     let latency = sent.elapsed();
     println!("cancel-to-observed latency with the message: {latency:?}");
     assert_eq!(reason, LostReason::Cancelled("user pressed stop".into()));
     assert!(
-        latency < Duration::from_millis(190),
-        "the message, not a renewal: {latency:?}"
+        latency < Duration::from_secs(2),
+        "the message, not a renewal (every {heartbeat:?}): {latency:?}"
     );
     // Still held until the holder acts: it releases, and the slot frees.
     assert_eq!(canceller.status().await.unwrap().holders.len(), 1);
@@ -718,7 +727,7 @@ async fn cancel_reaches_the_holder_at_once(fx: Fixture) {
 async fn cancel_reaches_the_holder_at_its_next_renewal_without_the_message(fx: Fixture) {
     let heartbeat = Duration::from_millis(150);
     // This holder does not subscribe: every cancel message is lost to it.
-    let (lease, canceller) = holder_and_canceller(&fx, heartbeat, false).await;
+    let (lease, canceller) = holder_and_canceller(&fx, TTL, heartbeat, false).await;
     let sent = Instant::now();
     assert!(canceller.cancel("job", "quota shrink").await.unwrap());
     let reason = tokio::time::timeout(Duration::from_secs(2), lease.lost())
@@ -730,11 +739,9 @@ async fn cancel_reaches_the_holder_at_its_next_renewal_without_the_message(fx: F
     );
     assert_eq!(reason, LostReason::Cancelled("quota shrink".into()));
     // At the next renewal, or the one after if one was already under way when the cancel
-    // landed; well before the 2 s a lost message would otherwise cost.
-    assert!(
-        latency <= heartbeat * 2 + Duration::from_millis(100),
-        "{latency:?}"
-    );
+    // landed (typically 150 ms here); without the marker check it would never come. The bound
+    // leaves room for a loaded machine.
+    assert!(latency <= heartbeat * 6, "{latency:?}");
 }
 
 async fn cancel_before_acquire_makes_acquire_fail(fx: Fixture) {
@@ -787,8 +794,10 @@ async fn an_abandoned_lease_holds_its_slot_until_its_deadline(fx: Fixture) {
         .poll_interval(Duration::from_secs(20))
         .build()
         .unwrap();
-    let lease = quota.try_acquire("crashing").await.unwrap();
+    // Before the acquire: its server deadline is at least one ttl after this, however late
+    // this task sees the reply.
     let crashed = Instant::now();
+    let lease = quota.try_acquire("crashing").await.unwrap();
     lease.abandon(); // like a SIGKILL: no release, no more renewals
     assert!(matches!(
         quota.try_acquire("next").await,

@@ -794,7 +794,8 @@ fn distinct(tokens: &[u64]) -> usize {
 #[tokio::test]
 async fn a_wait_longer_than_the_waiting_marker_keeps_releases_announced() {
     let server = RedisServer::start();
-    let ttl = Duration::from_millis(500);
+    // Long enough that the bound below (ttl / 2) leaves a loaded machine room.
+    let ttl = Duration::from_secs(1);
     let holders = quota_on(&server, "long-wait", 1, ttl).await;
     let holder = holders.try_acquire("holder").await.unwrap();
     let waiters = Quota::builder("long-wait")
@@ -1066,7 +1067,14 @@ async fn a_thousand_leases_cost_one_renewal_call_per_heartbeat() {
 async fn a_late_admission_after_acquire_timeout_is_given_back() {
     let server = RedisServer::start();
     let ttl = Duration::from_secs(30);
-    let quota = quota_on(&server, "late", 1, ttl).await;
+    // A call timeout well above the pause below: the late reply must not be given up on.
+    let backend = common::connect_with_call_timeout(&server.url(), Duration::from_secs(5)).await;
+    let quota = Quota::builder("late")
+        .limit(1)
+        .ttl(ttl)
+        .backend(backend)
+        .build()
+        .unwrap();
     quota
         .try_acquire("warm-up")
         .await
@@ -1082,19 +1090,22 @@ async fn a_late_admission_after_acquire_timeout_is_given_back() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::TimedOut { .. }), "{err:?}");
-    // Resumed inside the call's own timeout (1 s): the late reply admits "late", and nobody is
-    // there to take the lease.
+    // Resumed inside the call's own timeout: the late reply admits "late", and nobody is there
+    // to take the lease.
     tokio::time::sleep(Duration::from_millis(300)).await;
     server.resume();
 
-    let given_back = common::eventually(Duration::from_secs(5), || {
+    // `flush` returns once the attempt has ended and its admission has been given back.
+    tokio::time::timeout(Duration::from_secs(10), quota.flush())
+        .await
+        .expect("flush ends once the late admission is given back");
+    assert_eq!(
         server
             .command(&["ZCARD", "leasehold:{late}:leases"])
-            .as_int()
-            == Some(0)
-    })
-    .await;
-    assert!(given_back, "the late admission still holds the only slot");
+            .as_int(),
+        Some(0),
+        "the late admission still holds the only slot after flush"
+    );
     let fence = server
         .command(&["GET", "leasehold:{late}:fence"])
         .as_string();

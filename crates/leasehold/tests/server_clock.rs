@@ -135,8 +135,12 @@ async fn a_forward_step_expires_every_lease_and_the_overrun_ends_at_the_next_ren
         "2 admitted {:?} after the step; {old_running} old holders still believed they held",
         admitted - stepped
     );
-    // Both old holders still run: the quota is over its limit, and nothing stops it yet.
-    assert_eq!(old_running, holders.len());
+    // Old holders still run: the quota is over its limit until their next renewal, about 3/4
+    // of a heartbeat after the step. (On a slow machine that renewal may already have told one
+    // it is gone: then it lost with `Expired`, as checked below.)
+    for lease in holders.iter().filter(|l| !l.is_held()) {
+        assert_eq!(lease.lost_reason(), Some(LostReason::Expired));
+    }
     // The server counts only the newcomers: the over-limit is the old holders not knowing yet.
     assert_eq!(zcard(&server, name), LIMIT as i64);
 

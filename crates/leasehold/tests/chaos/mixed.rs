@@ -217,7 +217,8 @@ fn undo_fault(fleet: &mut Fleet, p: &mut Phase, undo: Undo, start: Ns) {
     let r = p.record();
     match undo {
         Undo::Resume(k) => {
-            r.paused.push((k, w));
+            // Ends once SIGCONT was sent: the resumed holder's stop is measured from there.
+            r.paused.push((k, Window::new(start, lifted)));
             r.allowed
                 .push((Window::new(w.start, lifted + 300 * MS), "paused holder"));
         }

@@ -82,12 +82,12 @@ pub fn pause_worker(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecor
         let start = now_ns();
         fleet.pause(holder.worker);
         run_for(fleet.settings.ttl * 2);
-        let lifting = now_ns();
         fleet.resume(holder.worker);
         let end = now_ns();
         p.lifted();
         let r = p.record();
-        r.paused.push((holder.worker, Window::new(start, lifting)));
+        // Ends once SIGCONT was sent: the resumed holder's stop is measured from there.
+        r.paused.push((holder.worker, Window::new(start, end)));
         r.allowed
             .push((Window::new(start, end + 300 * MS), "paused holder"));
         run_for(RECOVERY);
@@ -132,8 +132,9 @@ pub fn restart(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, down: Duration) ->
     let mut p = Phase::begin(fleet, name, fault);
     run_for(WARM_UP);
     for _ in 0..plan.rounds(1, 3) {
-        let start = now_ns();
         fleet.server.kill();
+        // Once the kill took effect: until then a renewal may still be answered.
+        let start = now_ns();
         run_for(down);
         let lifting = now_ns();
         fleet.server.restart();
@@ -156,8 +157,9 @@ pub fn pause_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord
     let mut p = Phase::begin(fleet, "3b-pause-redis", "Redis SIGSTOPped for 1.5 x ttl");
     run_for(WARM_UP);
     for _ in 0..plan.rounds(1, 3) {
-        let start = now_ns();
         fleet.server.pause();
+        // Once the pause took effect: until then a renewal may still be answered.
+        let start = now_ns();
         run_for(fleet.settings.ttl * 3 / 2);
         let lifting = now_ns();
         fleet.server.resume();
@@ -228,11 +230,12 @@ pub fn partition(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
             continue;
         };
         let stalled = fleet.wait_for_holder(150, &[cut.worker], FIND_HOLDER);
-        let start = now_ns();
         fleet.proxies[cut.worker].partition(true);
         if let Some(s) = &stalled {
             fleet.proxies[s.worker].stall(true);
         }
+        // Once both cuts took effect: until then a renewal may still be answered.
+        let start = now_ns();
         run_for(fleet.settings.ttl * 2);
         let end = now_ns();
         fleet.proxies[cut.worker].partition(false);
@@ -331,8 +334,9 @@ pub fn outage_policy(fleet: &mut Fleet, ops: &Ops, policy: &str) -> PhaseRecord 
     let mut p = Phase::begin(fleet, &name, &fault);
     p.record().policy_admits = true;
     run_for(WARM_UP);
-    let start = now_ns();
     fleet.server.kill();
+    // Once the kill took effect: until then a renewal may still be answered.
+    let start = now_ns();
     run_for(fleet.settings.ttl * 3 / 2);
     let lifting = now_ns();
     fleet.server.restart();
