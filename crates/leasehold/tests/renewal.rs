@@ -190,6 +190,9 @@ async fn a_renewal_split_in_batches_keeps_what_the_first_batch_learned() {
     let quota = Quota::builder(name.clone())
         .limit(10_000)
         .ttl(Duration::from_secs(2))
+        // Renewals every 200 ms: the last one acknowledged before the leases vanish was sent at
+        // most 250 ms before, so the local deadline is at least 1.7 s away when they do.
+        .heartbeat(Duration::from_millis(200))
         .events(false)
         .backend(backend)
         .build()
@@ -204,8 +207,9 @@ async fn a_renewal_split_in_batches_keeps_what_the_first_batch_learned() {
         leases.push(lease.unwrap().unwrap());
     }
     assert_eq!(leases.len(), 5001);
-    // Each script call now takes 1 s: the first answers about 0.23 s before the local deadline
-    // (beat + 1.233 s), two in a row outlast the renewal bound (1.9 s).
+    // Each script call now takes 1 s: the first batch's answer comes about 1.2 s after the
+    // leases vanish, well before the local deadline (at least 1.7 s); waiting for the second
+    // call as well (2 s) would outlast it.
     proxy.set_latency(Duration::from_millis(500));
     tokio::time::sleep(Duration::from_millis(50)).await;
     let keys = leasehold::QuotaKeys::new(&name).unwrap();
