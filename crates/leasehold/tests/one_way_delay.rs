@@ -134,11 +134,19 @@ async fn a_holder_whose_requests_arrive_late_fences_itself_before_the_server_rea
     // At least one renewal goes through before the fault.
     tokio::time::sleep(TTL / 2 + TTL / 10).await;
     assert!(holder.is_held());
-    let deadline_before = holder.local_deadline();
+    // The fault starts right after a renewal was answered, so that none is in flight while it
+    // starts (the next is a heartbeat away) and the holder's deadline is the one read here.
+    let answered = holder.local_deadline();
+    let watching = Instant::now() + TTL;
+    while holder.local_deadline() == answered && Instant::now() < watching {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_ne!(holder.local_deadline(), answered, "no renewal within a ttl");
 
     let delay = TTL * 3 / 2;
-    let delayed_at = Instant::now();
     proxy.set_latency_to_server(delay);
+    let delayed_at = Instant::now();
+    let deadline_before = holder.local_deadline();
 
     // The server's view: the slot frees when the lease's server deadline passes.
     let end = delayed_at + Duration::from_secs(15);
