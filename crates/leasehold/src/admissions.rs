@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Instant;
 
 use crate::backend::Backend;
+use crate::keys::QuotaKeys;
 use crate::lease::LeaseInner;
 use crate::task_turns::TaskTurns;
 
@@ -32,6 +33,18 @@ pub(crate) struct Admissions {
     /// Token-guarded releases that got no answer, by task id: the token, and until when its
     /// lease may still live in the backend.
     unanswered_releases: Mutex<HashMap<String, (u64, Instant)>>,
+    /// The backend and quota these are for: told when the last handle goes (see `Drop`).
+    owner: Option<(Arc<dyn Backend>, QuotaKeys)>,
+}
+
+impl Drop for Admissions {
+    fn drop(&mut self) {
+        // The last handle of the quota on this backend is gone: what the backend keeps for it
+        // may go too.
+        if let Some((backend, keys)) = self.owner.take() {
+            backend.forget(&keys);
+        }
+    }
 }
 
 impl Admissions {
@@ -89,21 +102,23 @@ impl Admissions {
 type Known = HashMap<(usize, String), Weak<Admissions>>;
 
 /// The admissions of quota `name` on `backend`, shared with every live `Quota` of that pair.
-pub(crate) fn of(backend: &Arc<dyn Backend>, name: &str) -> Arc<Admissions> {
+pub(crate) fn of(backend: &Arc<dyn Backend>, keys: &QuotaKeys) -> Arc<Admissions> {
     static KNOWN: OnceLock<Mutex<Known>> = OnceLock::new();
     // Every live `Admissions` is held by a quota that also holds the backend, so its identity
     // cannot be taken by another backend while the entry is alive.
-    let backend = backend.identity();
+    let identity = backend.identity();
     let mut known = KNOWN
         .get_or_init(Mutex::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
     known.retain(|_, admissions| admissions.strong_count() > 0);
-    let key = (backend, name.to_owned());
+    let key = (identity, keys.name.clone());
     if let Some(live) = known.get(&key).and_then(Weak::upgrade) {
         return live;
     }
-    let fresh = Arc::new(Admissions::default());
+    let mut fresh = Admissions::default();
+    fresh.owner = Some((backend.clone(), keys.clone()));
+    let fresh = Arc::new(fresh);
     known.insert(key, Arc::downgrade(&fresh));
     fresh
 }

@@ -212,7 +212,7 @@ impl Quota {
 
     pub(crate) fn start(keys: QuotaKeys, config: QuotaConfig, backend: Arc<dyn Backend>) -> Quota {
         let shared = Arc::new(Shared {
-            admissions: admissions::of(&backend, &keys.name),
+            admissions: admissions::of(&backend, &keys),
             keys,
             backend,
             waiters: WaitQueue::default(),

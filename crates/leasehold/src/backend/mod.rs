@@ -239,6 +239,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// subscription per quota.
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>>;
 
+    /// Every handle of the quota of `keys` built on this backend in this process was dropped:
+    /// what the backend keeps per quota for its callers (the epoch seen, batching queues) may
+    /// go, so that quota names that come and go do not pile up. A later handle starts afresh, as
+    /// a new process would. The default keeps nothing per quota, so does nothing.
+    fn forget(&self, keys: &QuotaKeys) {
+        let _ = keys;
+    }
+
     /// Which connection this backend is: handles of one quota built on backends with the same
     /// identity share what the process knows of its leases (and take turns per task id). Clones
     /// that share one connection should return the same value, and no other live backend may

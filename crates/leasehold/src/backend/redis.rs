@@ -1080,6 +1080,11 @@ impl Backend for RedisBackend {
         })
     }
 
+    fn forget(&self, keys: &QuotaKeys) {
+        self.inner
+            .forget_quotas(std::iter::once(keys.name.as_str()));
+    }
+
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
         let this = self.clone();
         let channel = self.inner.channel(keys);
@@ -1143,6 +1148,55 @@ impl Backend for RedisBackend {
 #[cfg(test)]
 mod tests {
     use super::{epoch_stamp, Observed, SeenEpoch};
+
+    /// Quotas that never subscribe (events off) still let go of their per-name state when their
+    /// last handle goes: quota names that come and go do not pile up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_last_handle_of_a_quota_takes_its_per_name_state_with_it() {
+        let server = leasehold_testkit::RedisServer::start();
+        let backend = super::RedisBackend::connect(&server.url()).await.unwrap();
+        let names = |backend: &super::RedisBackend| {
+            let inner = &backend.inner;
+            (
+                inner.epochs.lock().unwrap().len(),
+                inner.acquires.lock().unwrap().len(),
+                inner.releases.lock().unwrap().len(),
+            )
+        };
+        let kept = crate::Quota::builder("kept")
+            .limit(1)
+            .events(false)
+            .backend(backend.clone())
+            .build()
+            .unwrap();
+        kept.try_acquire("k")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        for i in 0..30 {
+            let quota = crate::Quota::builder(format!("tenant-{i}"))
+                .limit(1)
+                .events(false)
+                .backend(backend.clone())
+                .build()
+                .unwrap();
+            quota
+                .try_acquire("t")
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+            let twin = quota.clone();
+            drop(quota);
+            assert_eq!(names(&backend).0, 2, "a clone still holds tenant-{i}");
+            drop(twin);
+        }
+        // Only the quota still held keeps its state (its epoch, and its queues).
+        assert_eq!(names(&backend), (1, 1, 1));
+    }
 
     #[test]
     fn a_late_reply_from_an_earlier_epoch_does_not_move_the_tracked_one_back() {
