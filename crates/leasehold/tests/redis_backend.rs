@@ -80,6 +80,23 @@ async fn a_wrong_typed_key_leaves_no_half_written_lease() {
     }
 }
 
+/// `rediss://` against a server without TLS times out (the server waits for a line the TLS
+/// handshake never sends): still transient, since a slow TLS server looks the same, but the
+/// error says what to check.
+#[tokio::test]
+async fn tls_against_a_plain_server_says_what_to_check() {
+    let server = RedisServer::start();
+    let options = leasehold::RedisOptions {
+        call_timeout: Duration::from_millis(300),
+        connect_timeout: Duration::from_millis(300),
+        ..leasehold::RedisOptions::default()
+    };
+    let url = format!("rediss://127.0.0.1:{}/", server.port());
+    let err = RedisBackend::connect_with(&url, options).await.unwrap_err();
+    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    assert!(err.to_string().contains("use redis://"), "{err}");
+}
+
 #[tokio::test]
 async fn credentials_are_checked_at_connect() {
     let server = RedisServer::start_with(&["--requirepass", "s3cret"]);

@@ -258,7 +258,13 @@ impl RedisBackend {
         .map_err(|e| match e {
             // Say which server: a process may use several.
             Error::BackendUnavailable(why) => {
-                Error::BackendUnavailable(format!("{}: {why}", redacted(url)))
+                // A server without TLS never answers a TLS handshake: the client times out,
+                // which looks like any unreachable server.
+                let hint = match url.starts_with("rediss://") {
+                    true => " (if the server does not speak TLS, use redis://)",
+                    false => "",
+                };
+                Error::BackendUnavailable(format!("{}: {why}{hint}", redacted(url)))
             }
             other => other,
         })
