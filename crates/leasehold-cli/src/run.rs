@@ -22,8 +22,9 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
     }
     let mut signals = Signals::install()?;
     let lease = {
-        let acquiring = acquire(&quota, &task_id, args.wait);
-        tokio::pin!(acquiring);
+        // Boxed, so that a signal can drop it (and leave the line of waiters) before the give
+        // back: a waiter still in line could be handed a slot after it.
+        let mut acquiring = Box::pin(acquire(&quota, &task_id, args.wait));
         loop {
             tokio::select! {
                 lease = &mut acquiring => match lease {
@@ -38,6 +39,7 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
                 },
                 event = signals.next() => match event {
                     Event::Forward(sig) => {
+                        drop(acquiring);
                         give_back_unclaimed(&quota, &task_id, generated).await;
                         job::die_by(sig);
                         return Ok(128 + sig);

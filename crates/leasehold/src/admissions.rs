@@ -14,6 +14,7 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::keys::QuotaKeys;
 use crate::lease::LeaseInner;
+use crate::pending::Pending;
 use crate::task_turns::TaskTurns;
 
 #[derive(Default)]
@@ -33,6 +34,10 @@ pub(crate) struct Admissions {
     /// Token-guarded releases that got no answer, by task id: the token, and until when its
     /// lease may still live in the backend.
     unanswered_releases: Mutex<HashMap<String, (u64, Instant)>>,
+    /// Background work other processes depend on (releases, attempts), for `Quota::flush`:
+    /// counted here, so that a flush through any handle of the quota covers the leases every
+    /// handle shares.
+    pub(crate) pending: Arc<Pending>,
     /// The backend and quota these are for: told when the last handle goes (see `Drop`).
     owner: Option<(Arc<dyn Backend>, QuotaKeys)>,
 }

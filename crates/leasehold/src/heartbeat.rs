@@ -85,9 +85,12 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                 // its own bound and its own answers.
                 for (epoch, live) in by_epoch {
                     for chunk in live.chunks(RENEW_BATCH) {
-                        let (shared, epoch, chunk) =
-                            (shared.clone(), epoch.clone(), chunk.to_vec());
-                        runtime::spawn(async move { renew(&shared, &epoch, chunk).await });
+                        let pairs = chunk.iter().map(|l| (l.task_id.clone(), l.token)).collect();
+                        // Weak: a lease dropped while its renewal is out is released at once,
+                        // not when the reply comes (or never, when beats overlap on a slow link).
+                        let chunk = chunk.iter().map(Arc::downgrade).collect();
+                        let (shared, epoch) = (shared.clone(), epoch.clone());
+                        runtime::spawn(async move { renew(&shared, &epoch, chunk, pairs).await });
                     }
                 }
             }
@@ -106,11 +109,14 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
     }
 }
 
-async fn renew(shared: &Arc<Shared>, epoch: &str, leases: Vec<Arc<LeaseInner>>) {
-    let pairs: Vec<(String, u64)> = leases
-        .iter()
-        .map(|l| (l.task_id.clone(), l.token))
-        .collect();
+/// Renews `leases`, whose task ids and tokens are `pairs`, in one call; applies each answer to
+/// the lease if it still lives.
+async fn renew(
+    shared: &Arc<Shared>,
+    epoch: &str,
+    leases: Vec<Weak<LeaseInner>>,
+    pairs: Vec<(String, u64)>,
+) {
     let sent = Instant::now();
     // The call is bounded by the local deadline it would grant (sent + ttl − margin): a link
     // whose round trips outlast the heartbeat must keep its leases. A reply still only extends
@@ -135,6 +141,10 @@ async fn renew(shared: &Arc<Shared>, epoch: &str, leases: Vec<Arc<LeaseInner>>) 
         }
     };
     for (lease, outcome) in leases.iter().zip(reply.outcomes) {
+        // Dropped meanwhile: its release is on its way.
+        let Some(lease) = lease.upgrade() else {
+            continue;
+        };
         match outcome {
             RenewOutcome::Renewed { deadline_ms } => {
                 lease.renewed(

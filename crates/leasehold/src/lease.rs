@@ -234,7 +234,7 @@ impl Drop for LeaseInner {
             let quota = self.quota.clone();
             let task_id = std::mem::take(&mut self.task_id);
             let token = self.token;
-            let work = quota.pending.start();
+            let work = quota.admissions.pending.start();
             runtime::spawn(async move {
                 let _work = work;
                 if let Err(e) = quota.release_in_backend(&task_id, Some(token)).await {
@@ -367,7 +367,7 @@ impl Lease {
             return Ok(());
         }
         let inner = self.inner.clone();
-        let work = inner.quota.pending.start();
+        let work = inner.quota.admissions.pending.start();
         // Sent from leasehold's runtime, so that a caller who stops waiting (a timeout, a
         // `select!`) cannot cancel it half-way: the claim above already keeps the drop from
         // sending it.

@@ -19,7 +19,6 @@ use crate::keys::{
     validate_cancel_reason, validate_limit, validate_limit_version, validate_task_id, QuotaKeys,
 };
 use crate::lease::{Lease, LeaseInner};
-use crate::pending::Pending;
 use crate::waiters::WaitQueue;
 use crate::{admissions, heartbeat, runtime};
 
@@ -66,7 +65,7 @@ pub(crate) struct Shared {
     pub(crate) backend: Arc<dyn Backend>,
     /// Live leases, attempts and turns of this quota in this process, shared with the other
     /// handles built for it on this backend.
-    admissions: Arc<Admissions>,
+    pub(crate) admissions: Arc<Admissions>,
     waiters: WaitQueue,
     listening: AtomicBool,
     /// When the last subscription attempt failed, so that waiters retry it only now and then.
@@ -78,8 +77,6 @@ pub(crate) struct Shared {
     /// Wakes the renewal task for a new lease whose local deadline comes first.
     pub(crate) alarm: Arc<heartbeat::Alarm>,
     pub(crate) breaker: Breaker,
-    /// Background work other processes depend on, for [`Quota::flush`].
-    pub(crate) pending: Arc<Pending>,
 }
 
 /// The longest an admission whose caller gave up waits for another attempt of the same task in
@@ -222,7 +219,6 @@ impl Quota {
             shutdown: CancellationToken::new(),
             alarm: Arc::default(),
             breaker: Breaker::new(config.breaker),
-            pending: Arc::default(),
             config,
         });
         heartbeat::start(&shared);
@@ -392,13 +388,15 @@ impl Quota {
         }
     }
 
-    /// Waits until the work this handle (and its clones) left in the background has reached the
+    /// Waits until the work left in the background for this quota in this process (through
+    /// this handle or any other handle of the same quota on the same backend) has reached the
     /// backend: the releases of dropped leases, and admission attempts still in flight, whose
     /// late admission is released if nobody takes it (an `acquire_timeout` that gave up, an
     /// `acquire` future dropped). Await it before the process exits: that work runs on
     /// leasehold's own thread, which dies with the process, and a release never sent leaves its
     /// slot taken for one ttl. Returns at once when nothing is under way; each backend call is
-    /// bounded by its timeout.
+    /// bounded by its timeout. Attempts of callers still waiting count too, so call it once the
+    /// process has stopped acquiring.
     ///
     /// ```
     /// # async fn demo() -> leasehold::Result<()> {
@@ -409,7 +407,7 @@ impl Quota {
     /// # Ok(()) }
     /// ```
     pub async fn flush(&self) {
-        self.shared.pending.finished().await;
+        self.shared.admissions.pending.finished().await;
     }
 
     /// Cancels `task_id`, wherever it runs: writes the cancel marker (the truth, kept for the
@@ -494,7 +492,16 @@ impl Quota {
                 Some(started) => started,
                 None => shared.start_attempt(task_id),
             };
-            match self.settled(attempt.outcome().await)? {
+            let outcome = match self.settled(attempt.outcome().await) {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    // This waiter leaves (cancelled, the backend down...) without the slot a
+                    // wake-up may have been for: the next waiter gets it.
+                    place.took_no_slot();
+                    return Err(e);
+                }
+            };
+            match outcome {
                 Attempt::Admitted(lease) => return Ok(lease),
                 Attempt::AlreadyHeld(lease) => {
                     // Another caller of this task won the slot a wake-up may have been for.
@@ -593,7 +600,7 @@ impl Shared {
         };
         let shared = self.clone();
         let id = task_id.to_owned();
-        let work = self.pending.start();
+        let work = self.admissions.pending.start();
         runtime::spawn(async move {
             // Dropped last: a late admission nobody takes is let go before `flush` returns.
             let _work = work;

@@ -243,6 +243,13 @@ impl Waiter {
     /// takes other locks.
     fn wake(&self, started: Option<StartedAttempt>) {
         let replaced = started.and_then(|attempt| {
+            let state = self.state();
+            if state.doing != Doing::Waiting {
+                // The waiter took the wake-up while the attempt was being started and made its
+                // own: kept, this one would answer a later wake-up with a stale result. Dropped
+                // instead; a slot it wins is given back at once.
+                return Some(attempt);
+            }
             self.started
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -381,6 +388,34 @@ mod tests {
         let (place, _) = q.join("t", false);
         place.idle();
         place
+    }
+
+    /// The freed slot is counted under the queue's lock, the attempt started for it after. A
+    /// waiter that takes the wake-up in between (its timer fires: `attempting`, or `woken` finds
+    /// it pending) makes its own attempt; the waker's must not be kept, or it would answer the
+    /// waiter's next wake-up that starts nothing (a pass-on, a keeper, a timer) with a stale
+    /// result.
+    #[tokio::test]
+    async fn no_stale_attempt_is_left_when_the_waiter_takes_the_wake_up_first() {
+        let q = WaitQueue::default();
+        let a = in_line(&q);
+        q.wake_one_starting(|_| {
+            // Meanwhile, on the waiter's runtime: its poll timer fires.
+            a.attempting();
+            assert!(
+                a.take_started().is_none(),
+                "nothing stored yet: it starts its own"
+            );
+            full()
+        });
+        a.idle(); // its own attempt came back full
+                  // Later, a freed slot passed on by a waiter that left with it unused.
+        q.pass_on(Asked::FreedSlot);
+        assert!(a.woken().await);
+        assert!(
+            a.take_started().is_none(),
+            "the freed slot is answered by the stale attempt started for an earlier wake-up"
+        );
     }
 
     #[tokio::test]

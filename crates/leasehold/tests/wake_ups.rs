@@ -1,7 +1,8 @@
 //! Wake-ups of waiters in one process are never lost nor spent on nothing: two slots freed
 //! before the only waiter runs stay two wake-ups, a wake-up whose attempt came back with a lease
-//! the task already held is passed on, and a re-check of every waiter (after subscribing) keeps
-//! arrival order. Each failed before the fix (memory backend; the third through `Switchable`).
+//! the task already held, or that ended the wait with an error (the task cancelled), is passed
+//! on, and a re-check of every waiter (after subscribing) keeps arrival order. Each failed before
+//! its fix (memory backend; the re-check through `Switchable`).
 
 mod common;
 
@@ -147,5 +148,43 @@ async fn a_re_check_after_subscribing_keeps_arrival_order() {
     assert_eq!(
         overtaken, 0,
         "b overtook a in {overtaken} of {rounds} rounds"
+    );
+}
+
+/// `a` was cancelled before it queued (behind `w0`, so it made no attempt of its own). When `h`
+/// releases, the wake-up goes to `a`, whose attempt answers `Cancelled`: no slot taken, and the
+/// wake-up goes on to `b` instead of leaving with `a` (b slept to its poll, 10 s, before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_spent_on_a_cancelled_waiter_is_passed_on() {
+    let fx = Fixture::memory().await;
+    let quota = fx
+        .builder(1, Duration::from_secs(30))
+        .poll_interval(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let h = quota.try_acquire("h").await.unwrap();
+    let waiter = |id: &'static str, within: Duration| {
+        let q = quota.clone();
+        tokio::spawn(async move { q.acquire_timeout(id, within).await })
+    };
+    let w0 = waiter("w0", Duration::from_millis(300));
+    tokio::time::sleep(Duration::from_millis(50)).await; // w0: refused, in line
+    assert!(!quota.cancel("a", "stop").await.unwrap());
+    let a = waiter("a", Duration::from_secs(5)); // queues behind w0, no attempt yet
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let b = waiter("b", Duration::from_secs(2));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(matches!(
+        w0.await.unwrap(),
+        Err(leasehold::Error::TimedOut { .. })
+    ));
+    h.release().await.unwrap();
+    let released = Instant::now();
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    assert!(matches!(a, Err(leasehold::Error::Cancelled(_))), "{a:?}");
+    assert!(
+        b.is_ok(),
+        "b timed out {:?} after the release, with the slot free",
+        released.elapsed()
     );
 }

@@ -1,7 +1,7 @@
 //! A backend wrapper for tests that need a backend which fails on command.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -15,9 +15,9 @@ use tokio::sync::{broadcast, Notify};
 /// The memory backend, with a switch that takes it "down" (every call fails transiently, as an
 /// unreachable Redis would), one for renewals only, one that delivers some tasks' acquire
 /// answers late (decided at once, answered after [`LATE_ANSWER`]), one that makes subscribes
-/// take that long, and one that holds releases back: they fail as if they timed out,
+/// take that long, one that holds releases back: they fail as if they timed out,
 /// and reach the backend only when the test delivers them, as a proxy that held a replaced
-/// connection's bytes would.
+/// connection's bytes would, and delays that make renewals or releases slow (a slow link).
 #[derive(Debug, Default)]
 pub struct Switchable {
     pub inner: MemoryBackend,
@@ -29,6 +29,11 @@ pub struct Switchable {
     slow_subscribe: AtomicBool,
     /// Notified when an acquire answer that will come late was decided.
     pub decided_late: Notify,
+    /// How long each renewal and each release takes, in ms (0: no delay).
+    renew_delay_ms: AtomicU64,
+    release_delay_ms: AtomicU64,
+    /// Notified when a delayed renewal starts.
+    pub renewing: Notify,
 }
 
 /// How late the answers of [`Switchable::answer_late`] come.
@@ -66,6 +71,18 @@ impl Switchable {
     /// Subscribes take [`LATE_ANSWER`] (a slow link, or one queued behind other subscribes).
     pub fn slow_subscribe(&self, slow: bool) {
         self.slow_subscribe.store(slow, Ordering::SeqCst);
+    }
+
+    /// Each renewal takes `delay` from now on (its start notifies [`renewing`](Self::renewing)).
+    pub fn slow_renewals(&self, delay: Duration) {
+        self.renew_delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Each release takes `delay` from now on.
+    pub fn slow_releases(&self, delay: Duration) {
+        self.release_delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
     }
 
     pub fn hold_back_releases(&self, hold: bool) {
@@ -111,6 +128,11 @@ impl Backend for Switchable {
         if self.renewals_down.load(Ordering::SeqCst) {
             return Err(Error::BackendUnavailable("renewals switched off".into()));
         }
+        let delay = self.renew_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            self.renewing.notify_one();
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
         self.inner.renew(keys, ttl, epoch, leases).await
     }
     async fn set_limit(
@@ -131,6 +153,8 @@ impl Backend for Switchable {
                 "no reply within the call timeout".into(),
             ));
         }
+        let delay = self.release_delay_ms.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
         self.inner.release(keys, id, token).await
     }
     async fn cancel(

@@ -1,0 +1,87 @@
+//! `Quota::flush` returns only once the background work it promises has reached the backend,
+//! and a dropped lease is released even while its renewal is out: the renewal task does not keep
+//! the lease alive. Memory backend behind `Switchable` (slow renewals or releases: a slow link).
+//! Each test failed before its fix.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::switchable::Switchable;
+
+fn quota(backend: &Arc<Switchable>, name: &str, heartbeat: Duration) -> leasehold::Quota {
+    common::quota_with(backend.clone(), name, 1, Duration::from_secs(3))
+        .heartbeat(heartbeat)
+        .build()
+        .unwrap()
+}
+
+/// The `flush` example (drop, then flush) with a renewal of the lease out at the drop: the
+/// release must be sent before `flush` returns, not when the renewal answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_waits_for_the_release_of_a_lease_dropped_during_a_renewal() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend, &common::unique("flush"), Duration::from_secs(1));
+    let lease = quota.try_acquire("t").await.unwrap();
+    backend.slow_renewals(Duration::from_millis(500));
+    backend.renewing.notified().await; // a renewal of `t` is out
+    drop(lease);
+    quota.flush().await;
+    let holders = common::holder_ids(&quota).await;
+    assert!(
+        holders.is_empty(),
+        "flush returned with the dropped lease's release not sent: {holders:?}"
+    );
+}
+
+/// Renewals slower than the heartbeat overlap: a lease dropped meanwhile was kept alive by them
+/// and renewed for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_lease_is_released_even_when_renewals_outlast_the_heartbeat() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(
+        &backend,
+        &common::unique("overlap"),
+        Duration::from_millis(200),
+    );
+    let lease = quota.try_acquire("t").await.unwrap();
+    backend.slow_renewals(Duration::from_millis(500));
+    backend.renewing.notified().await;
+    drop(lease);
+    // Bounded well under the 3 s ttl: an expiry would not count.
+    let end = Instant::now() + Duration::from_secs(2);
+    let mut holders = common::holder_ids(&quota).await;
+    while !holders.is_empty() && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        holders = common::holder_ids(&quota).await;
+    }
+    assert!(
+        holders.is_empty(),
+        "the dropped lease is still held: {holders:?}"
+    );
+}
+
+/// Two handles of one quota share its leases: `b`'s acquire of a task `a` holds returns `a`'s
+/// lease. A flush through either covers that lease's release, whichever handle counted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_through_any_handle_of_the_quota_waits_for_its_releases() {
+    let backend = Arc::new(Switchable::default());
+    let name = common::unique("two-handles");
+    let (a, b) = (
+        quota(&backend, &name, Duration::from_secs(1)),
+        quota(&backend, &name, Duration::from_secs(1)),
+    );
+    let from_a = a.try_acquire("t").await.unwrap();
+    let from_b = b.try_acquire("t").await.unwrap(); // held: the same lease
+    assert_eq!(from_a.fencing_token(), from_b.fencing_token());
+    backend.slow_releases(Duration::from_millis(200));
+    drop(from_a);
+    drop(from_b); // the last handle: released in the background
+    b.flush().await;
+    let holders = common::holder_ids(&b).await;
+    assert!(
+        holders.is_empty(),
+        "b.flush() returned before the release: {holders:?}"
+    );
+}
