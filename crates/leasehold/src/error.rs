@@ -128,8 +128,10 @@ impl Misconfiguration {
     }
 }
 
-/// Why an admission found no slot: what an operator does next differs.
+/// Why an admission found no slot: what an operator does next differs. More causes may come:
+/// match with a wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FullCause {
     /// Every slot is held: the backend counts as many live leases as the limit it stores.
     NoSlot,
