@@ -47,7 +47,13 @@ impl Drop for Admissions {
         // The last handle of the quota on this backend is gone: what the backend keeps for it
         // may go too.
         if let Some((backend, keys)) = self.owner.take() {
-            backend.forget(&keys);
+            // Under the lock `of` builds a new one under: a handle of the same quota started
+            // since this one's count reached zero owns the backend's state now.
+            let key = (backend.identity(), keys.name.clone());
+            let known = known();
+            if known.get(&key).is_none_or(|w| w.strong_count() == 0) {
+                backend.forget(&keys);
+            }
         }
     }
 }
@@ -107,15 +113,19 @@ impl Admissions {
 type Known = HashMap<(usize, String), Weak<Admissions>>;
 
 /// The admissions of quota `name` on `backend`, shared with every live `Quota` of that pair.
-pub(crate) fn of(backend: &Arc<dyn Backend>, keys: &QuotaKeys) -> Arc<Admissions> {
+fn known() -> MutexGuard<'static, Known> {
     static KNOWN: OnceLock<Mutex<Known>> = OnceLock::new();
+    KNOWN
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+pub(crate) fn of(backend: &Arc<dyn Backend>, keys: &QuotaKeys) -> Arc<Admissions> {
     // Every live `Admissions` is held by a quota that also holds the backend, so its identity
     // cannot be taken by another backend while the entry is alive.
     let identity = backend.identity();
-    let mut known = KNOWN
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut known = known();
     known.retain(|_, admissions| admissions.strong_count() > 0);
     let key = (identity, keys.name.clone());
     if let Some(live) = known.get(&key).and_then(Weak::upgrade) {

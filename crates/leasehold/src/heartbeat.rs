@@ -90,7 +90,13 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                         // not when the reply comes (or never, when beats overlap on a slow link).
                         let chunk = chunk.iter().map(Arc::downgrade).collect();
                         let (shared, epoch) = (shared.clone(), epoch.clone());
-                        runtime::spawn(async move { renew(&shared, &epoch, chunk, pairs).await });
+                        // Counted for `Quota::flush`: a lease dropped meanwhile may need its
+                        // release sent again once the reply is in (see `renew`).
+                        let work = shared.admissions.pending.start();
+                        runtime::spawn(async move {
+                            renew(&shared, &epoch, chunk, pairs).await;
+                            drop(work);
+                        });
                     }
                 }
             }
@@ -140,9 +146,15 @@ async fn renew(
             return;
         }
     };
-    for (lease, outcome) in leases.iter().zip(reply.outcomes) {
-        // Dropped meanwhile: its release is on its way.
+    let mut dropped_but_renewed = Vec::new();
+    for ((lease, pair), outcome) in leases.iter().zip(&pairs).zip(reply.outcomes) {
         let Some(lease) = lease.upgrade() else {
+            // Dropped meanwhile, and its release already sent. If this renewal still found the
+            // lease (it reached the backend first, or re-registered the lease after a loss of
+            // the backend's state, PROTOCOL.md §8), nobody renews it now: release it again.
+            if matches!(outcome, RenewOutcome::Renewed { .. }) {
+                dropped_but_renewed.push(pair);
+            }
             continue;
         };
         match outcome {
@@ -163,6 +175,13 @@ async fn renew(
             RenewOutcome::Cancelled { reason } => {
                 lease.mark_lost(LostReason::Cancelled(reason));
             }
+        }
+    }
+    for (task_id, token) in dropped_but_renewed {
+        // Token-guarded, and skipped if a new handle took this admission over meanwhile.
+        if let Err(e) = shared.release_in_backend(task_id, Some(*token)).await {
+            tracing::warn!(quota = %shared.keys.name, %task_id, token, error = %e,
+                "release of a lease renewed after its drop failed; it expires after its ttl");
         }
     }
 }

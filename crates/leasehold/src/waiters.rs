@@ -47,6 +47,9 @@ struct WaiterState {
     /// True during a newcomer's first attempt, made at once: it is not in line yet, so other
     /// newcomers may try at once too.
     newcomer: bool,
+    /// How many times the waiter went out on an attempt: an attempt a waker started for it is
+    /// only kept if the waiter has not moved since the waker chose it.
+    rounds: u64,
 }
 
 impl WaiterState {
@@ -167,7 +170,7 @@ impl WaitQueue {
                     state.freed += 1;
                     // Out on its own attempt, it tries again at once if that one is refused.
                     let idle = state.doing == Doing::Waiting;
-                    Some((w.clone(), idle))
+                    Some((w.clone(), idle, state.rounds))
                 }
                 None => {
                     if let Some(w) = keeper(&queue) {
@@ -177,11 +180,11 @@ impl WaitQueue {
                 }
             }
         };
-        if let Some((w, idle)) = chosen {
+        if let Some((w, idle, rounds)) = chosen {
             // Started outside the queue's lock: the drop of a lease `start` looks at may free a
             // local slot, which comes back here.
             let started = idle.then(|| start(&w.task_id));
-            w.wake(started);
+            w.wake(started, rounds);
         }
     }
 
@@ -190,19 +193,19 @@ impl WaitQueue {
     /// order, so the oldest still asks first (each from its own runtime, a younger one could
     /// overtake it); one already out tries again after that attempt.
     pub(crate) fn wake_all_starting(&self, start: impl Fn(&str) -> StartedAttempt) {
-        let everyone: Vec<(Arc<Waiter>, bool)> = self
+        let everyone: Vec<(Arc<Waiter>, bool, u64)> = self
             .lock()
             .iter()
             .map(|w| {
                 let mut state = w.state();
                 let idle = state.doing == Doing::Waiting && state.asked_nothing();
                 state.recheck = true;
-                (w.clone(), idle)
+                (w.clone(), idle, state.rounds)
             })
             .collect();
-        for (w, idle) in everyone {
+        for (w, idle, rounds) in everyone {
             let started = idle.then(|| start(&w.task_id));
-            w.wake(started);
+            w.wake(started, rounds);
         }
     }
 
@@ -238,16 +241,16 @@ impl Waiter {
         self.notify.notify_one();
     }
 
-    /// Wakes this waiter, already asked, handing it the attempt `started` for it if any. A
-    /// replaced one (a race with the waiter's own timer) is dropped last, since its lease's drop
-    /// takes other locks.
-    fn wake(&self, started: Option<StartedAttempt>) {
+    /// Wakes this waiter, already asked, handing it the attempt `started` for it if any, as
+    /// the waker chose it after `rounds` attempts. A replaced or unwanted one is dropped last,
+    /// since its lease's drop takes other locks.
+    fn wake(&self, started: Option<StartedAttempt>, rounds: u64) {
         let replaced = started.and_then(|attempt| {
             let state = self.state();
-            if state.doing != Doing::Waiting {
-                // The waiter took the wake-up while the attempt was being started and made its
-                // own: kept, this one would answer a later wake-up with a stale result. Dropped
-                // instead; a slot it wins is given back at once.
+            if state.doing != Doing::Waiting || state.rounds != rounds {
+                // The waiter went out on an attempt of its own while this one was being started
+                // (and may be back already): kept, this one would answer a later wake-up with a
+                // stale result. Dropped instead; a slot it wins is given back at once.
                 return Some(attempt);
             }
             self.started
@@ -303,6 +306,7 @@ impl Place<'_> {
         match state.take() {
             Some(asked) => {
                 state.doing = Doing::WokenAttempt(asked);
+                state.rounds += 1;
                 true
             }
             None => false,
@@ -317,6 +321,7 @@ impl Place<'_> {
             Some(asked) => Doing::WokenAttempt(asked),
             None => Doing::OwnAttempt,
         };
+        state.rounds += 1;
     }
 
     /// The attempt came back with a lease this task already held: it took no slot, so a freed
@@ -410,6 +415,26 @@ mod tests {
         });
         a.idle(); // its own attempt came back full
                   // Later, a freed slot passed on by a waiter that left with it unused.
+        q.pass_on(Asked::FreedSlot);
+        assert!(a.woken().await);
+        assert!(
+            a.take_started().is_none(),
+            "the freed slot is answered by the stale attempt started for an earlier wake-up"
+        );
+    }
+
+    /// The same race, but the waiter's own attempt also came back (full) before the waker
+    /// handed its attempt over: the waiter is idle again, and the attempt is still stale.
+    #[tokio::test]
+    async fn no_stale_attempt_is_left_when_the_waiters_own_attempt_ends_first() {
+        let q = WaitQueue::default();
+        let a = in_line(&q);
+        q.wake_one_starting(|_| {
+            a.attempting();
+            assert!(a.take_started().is_none());
+            a.idle(); // its own attempt came back full, before the waker got to `wake`
+            full()
+        });
         q.pass_on(Asked::FreedSlot);
         assert!(a.woken().await);
         assert!(

@@ -1,6 +1,7 @@
 //! `Quota::flush` returns only once the background work it promises has reached the backend,
 //! and a dropped lease is released even while its renewal is out: the renewal task does not keep
-//! the lease alive. Memory backend behind `Switchable` (slow renewals or releases: a slow link).
+//! the lease alive, nor brings it back. Memory backend behind `Switchable` (slow renewals or
+//! releases: a slow link).
 //! Each test failed before its fix.
 
 mod common;
@@ -83,5 +84,26 @@ async fn a_flush_through_any_handle_of_the_quota_waits_for_its_releases() {
     assert!(
         holders.is_empty(),
         "b.flush() returned before the release: {holders:?}"
+    );
+}
+
+/// The backend lost its state, and a renewal carrying the old epoch is out when the lease is
+/// dropped: its release reaches the backend first, then the renewal re-registers the lease
+/// (PROTOCOL §8). Nobody holds it any more: it must be released again, before `flush` returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_dropped_while_a_renewal_re_registers_it_is_not_left_held() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend, &common::unique("rereg"), Duration::from_secs(1));
+    let lease = quota.try_acquire("t").await.unwrap();
+    backend.inner.wipe(); // a restart without persistence
+    backend.slow_renewals(Duration::from_millis(300));
+    backend.renewing.notified().await; // t's renewal, with its old epoch, is on its way
+    drop(lease); // released at once: before the renewal arrives
+    quota.flush().await;
+    backend.slow_renewals(Duration::ZERO);
+    let holders = common::holder_ids(&quota).await;
+    assert!(
+        holders.is_empty(),
+        "the dropped lease was re-registered after its release, held by nobody: {holders:?}"
     );
 }

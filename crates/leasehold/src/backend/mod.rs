@@ -242,7 +242,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Every handle of the quota of `keys` built on this backend in this process was dropped:
     /// what the backend keeps per quota for its callers (the epoch seen, batching queues) may
     /// go, so that quota names that come and go do not pile up. A later handle starts afresh, as
-    /// a new process would. The default keeps nothing per quota, so does nothing.
+    /// a new process would. The default keeps nothing per quota, so does nothing. It is called
+    /// under the lock that new handles are built under, so that it never takes the state of a
+    /// handle started meanwhile: it must not build or drop quota handles itself.
     fn forget(&self, keys: &QuotaKeys) {
         let _ = keys;
     }
