@@ -394,9 +394,10 @@ impl Quota {
     /// late admission is released if nobody takes it (an `acquire_timeout` that gave up, an
     /// `acquire` future dropped). Await it before the process exits: that work runs on
     /// leasehold's own thread, which dies with the process, and a release never sent leaves its
-    /// slot taken for one ttl. Returns at once when nothing is under way; each backend call is
-    /// bounded by its timeout. Attempts of callers still waiting count too, so call it once the
-    /// process has stopped acquiring.
+    /// slot taken for one ttl. Renewals in flight count too (one that still finds a lease
+    /// dropped meanwhile releases it again). Returns at once when nothing is under way; a call
+    /// is bounded by its timeout, a renewal by its leases' local deadline. Attempts of callers
+    /// still waiting count too, so call it once the process has stopped acquiring.
     ///
     /// ```
     /// # async fn demo() -> leasehold::Result<()> {
