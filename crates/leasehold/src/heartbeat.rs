@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::{RenewOutcome, RENEW_BATCH};
 use crate::error::{Error, LostReason};
-use crate::lease::LeaseInner;
+use crate::lease::{LeaseInner, ReleaseState};
 use crate::quota::Shared;
 use crate::runtime;
 
@@ -88,7 +88,10 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                         let pairs = chunk.iter().map(|l| (l.task_id.clone(), l.token)).collect();
                         // Weak: a lease dropped while its renewal is out is released at once,
                         // not when the reply comes (or never, when beats overlap on a slow link).
-                        let chunk = chunk.iter().map(Arc::downgrade).collect();
+                        let chunk = chunk
+                            .iter()
+                            .map(|l| (Arc::downgrade(l), l.release.clone()))
+                            .collect();
                         let (shared, epoch) = (shared.clone(), epoch.clone());
                         // Counted for `Quota::flush`: a lease dropped meanwhile may need its
                         // release sent again once the reply is in (see `renew`).
@@ -120,7 +123,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
 async fn renew(
     shared: &Arc<Shared>,
     epoch: &str,
-    leases: Vec<Weak<LeaseInner>>,
+    leases: Vec<(Weak<LeaseInner>, Arc<ReleaseState>)>,
     pairs: Vec<(String, u64)>,
 ) {
     let sent = Instant::now();
@@ -146,15 +149,19 @@ async fn renew(
             return;
         }
     };
-    let mut dropped_but_renewed = Vec::new();
-    for ((lease, pair), outcome) in leases.iter().zip(&pairs).zip(reply.outcomes) {
-        let Some(lease) = lease.upgrade() else {
-            // Dropped meanwhile, and its release already sent. If this renewal still found the
-            // lease (it reached the backend first, or re-registered the lease after a loss of
-            // the backend's state, PROTOCOL.md §8), nobody renews it now: release it again.
+    let mut released_but_renewed = Vec::new();
+    for (((lease, release), pair), outcome) in leases.iter().zip(&pairs).zip(reply.outcomes) {
+        if release.wants_release() {
+            // Released (or dropped) meanwhile. If this renewal still found the lease (it
+            // reached the backend first, or re-registered the lease after a loss of the
+            // backend's state, PROTOCOL.md §8), nobody holds it now: release it again. An
+            // abandoned lease is left to expire, as `abandon` promises.
             if matches!(outcome, RenewOutcome::Renewed { .. }) {
-                dropped_but_renewed.push(pair);
+                released_but_renewed.push(pair);
             }
+            continue;
+        }
+        let Some(lease) = lease.upgrade() else {
             continue;
         };
         match outcome {
@@ -177,7 +184,7 @@ async fn renew(
             }
         }
     }
-    for (task_id, token) in dropped_but_renewed {
+    for (task_id, token) in released_but_renewed {
         // Token-guarded, and skipped if a new handle took this admission over meanwhile.
         if let Err(e) = shared.release_in_backend(task_id, Some(*token)).await {
             tracing::warn!(quota = %shared.keys.name, %task_id, token, error = %e,

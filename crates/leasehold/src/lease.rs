@@ -40,9 +40,28 @@ pub(crate) struct LeaseInner {
     times: Mutex<Times>,
     lost: watch::Sender<Option<LostReason>>,
     lost_token: CancellationToken,
-    release_sent: AtomicBool,
+    /// Shared with renewals in flight, which may outlive this lease.
+    pub(crate) release: Arc<ReleaseState>,
     /// Granted by the backend-down policy, without the backend.
     pub(crate) local: bool,
+}
+
+/// Whether a lease's release was sent. Shared with renewals in flight, which may outlive the
+/// lease: a renewal that still finds a released lease in the backend (it got there first, or
+/// re-registered the lease after a loss of the backend's state) must release it again.
+#[derive(Debug, Default)]
+pub(crate) struct ReleaseState {
+    /// The release was sent (or is on its way): by `release`, the last drop, or `abandon`.
+    sent: AtomicBool,
+    /// Left to expire on purpose (`abandon`): nobody releases it.
+    abandoned: AtomicBool,
+}
+
+impl ReleaseState {
+    /// Whether a renewal that found the lease still in the backend must release it.
+    pub(crate) fn wants_release(&self) -> bool {
+        self.sent.load(Ordering::Acquire) && !self.abandoned.load(Ordering::Acquire)
+    }
 }
 
 struct Times {
@@ -96,7 +115,7 @@ impl LeaseInner {
             }),
             lost: watch::channel(None).0,
             lost_token: CancellationToken::new(),
-            release_sent: AtomicBool::new(false),
+            release: Arc::default(),
             local: false,
         }
     }
@@ -208,7 +227,7 @@ impl LeaseInner {
     pub(crate) fn claim_release(&self) -> bool {
         self.mark_lost(LostReason::Released);
         if self.local {
-            if !self.release_sent.swap(true, Ordering::AcqRel) {
+            if !self.release.sent.swap(true, Ordering::AcqRel) {
                 self.quota.local_released();
             }
             return false;
@@ -219,12 +238,12 @@ impl LeaseInner {
         );
         // Whether another handle of this same admission owns the slot now is settled when the
         // release gets its task's turn (`Shared::release_in_backend`).
-        may_be_held && !self.release_sent.swap(true, Ordering::AcqRel)
+        may_be_held && !self.release.sent.swap(true, Ordering::AcqRel)
     }
 
     /// A release call failed: a later `release` may try again.
     pub(crate) fn release_failed(&self) {
-        self.release_sent.store(false, Ordering::Release);
+        self.release.sent.store(false, Ordering::Release);
     }
 }
 
@@ -354,7 +373,8 @@ impl Lease {
             self.inner.claim_release();
             return;
         }
-        self.inner.release_sent.store(true, Ordering::Release);
+        self.inner.release.abandoned.store(true, Ordering::Release);
+        self.inner.release.sent.store(true, Ordering::Release);
         self.inner.mark_lost(LostReason::Released);
     }
 

@@ -397,7 +397,8 @@ impl Quota {
     /// slot taken for one ttl. Renewals in flight count too (one that still finds a lease
     /// dropped meanwhile releases it again). Returns at once when nothing is under way; a call
     /// is bounded by its timeout, a renewal by its leases' local deadline. Attempts of callers
-    /// still waiting count too, so call it once the process has stopped acquiring.
+    /// still waiting count too, so call it once the process has stopped acquiring (and, on a
+    /// link slower than the heartbeat, where renewals overlap, once its leases are released).
     ///
     /// ```
     /// # async fn demo() -> leasehold::Result<()> {

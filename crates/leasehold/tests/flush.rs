@@ -107,3 +107,43 @@ async fn a_lease_dropped_while_a_renewal_re_registers_it_is_not_left_held() {
         "the dropped lease was re-registered after its release, held by nobody: {holders:?}"
     );
 }
+
+/// Like the test above, but the holder releases explicitly and keeps its handle (a `Lease` kept
+/// in a struct, a clone elsewhere): the re-registered lease is released again all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_released_while_a_renewal_re_registers_it_is_not_left_held() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend, &common::unique("rereg2"), Duration::from_secs(1));
+    let lease = quota.try_acquire("t").await.unwrap();
+    backend.inner.wipe();
+    backend.slow_renewals(Duration::from_millis(300));
+    backend.renewing.notified().await;
+    lease.release().await.unwrap(); // released, handle kept
+    quota.flush().await;
+    backend.slow_renewals(Duration::ZERO);
+    let holders = common::holder_ids(&quota).await;
+    assert!(
+        holders.is_empty(),
+        "released lease re-registered after its release, held by nobody: {holders:?} (lost: {:?})",
+        lease.lost_reason()
+    );
+}
+
+/// `abandon` promises that the slot stays taken until its deadline passes (a crashed holder): a
+/// renewal out at the abandon must not release it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_lease_is_not_released_by_a_renewal_in_flight() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend, &common::unique("abandon"), Duration::from_secs(1));
+    let lease = quota.try_acquire("t").await.unwrap();
+    backend.slow_renewals(Duration::from_millis(300));
+    backend.renewing.notified().await; // a renewal of `t` is out
+    lease.abandon();
+    quota.flush().await; // the renewal has answered
+    let holders = common::holder_ids(&quota).await;
+    assert_eq!(
+        holders,
+        vec!["t".to_owned()],
+        "the abandoned lease was released well before its deadline"
+    );
+}
