@@ -494,22 +494,15 @@ impl Quota {
                 Some(started) => started,
                 None => shared.start_attempt(task_id),
             };
-            let outcome = match self.settled(attempt.outcome().await) {
-                Ok(outcome) => outcome,
-                Err(e) => {
-                    // This waiter leaves (cancelled, the backend down...) without the slot a
-                    // wake-up may have been for: the next waiter gets it.
-                    place.took_no_slot();
-                    return Err(e);
-                }
-            };
-            match outcome {
-                Attempt::Admitted(lease) => return Ok(lease),
-                Attempt::AlreadyHeld(lease) => {
-                    // Another caller of this task won the slot a wake-up may have been for.
-                    place.took_no_slot();
-                    return Ok(lease);
-                }
+            let outcome = self.settled(attempt.outcome().await);
+            if !matches!(outcome, Ok(Attempt::Admitted(_) | Attempt::Full { .. })) {
+                // This waiter leaves without having taken a slot (another caller of its task
+                // holds it, or an error: cancelled, the backend down...): a freed slot its
+                // wake-up was for goes to the next waiter.
+                place.took_no_slot();
+            }
+            match outcome? {
+                Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r, .. } => {
                     retry_after = r;
                     place.idle();
