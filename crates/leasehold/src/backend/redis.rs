@@ -101,23 +101,16 @@ struct Inner {
 }
 
 impl Inner {
-    /// Drops the per-name state (the epoch seen, the batching queues) of quotas this process
+    /// Drops the per-name state (the epoch seen, the batching queues) of a quota this process
     /// no longer uses. A call still under way keeps its own queue and ends as it would have.
-    fn forget_quotas<'a>(&self, names: impl Iterator<Item = &'a str>) {
-        let names: Vec<&str> = names.collect();
-        if names.is_empty() {
-            return;
-        }
+    fn forget_quota(&self, name: &str) {
         // One map at a time: no other path holds two of these locks.
-        fn remove<V>(map: &Mutex<HashMap<String, V>>, names: &[&str]) {
-            let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
-            for name in names {
-                map.remove(*name);
-            }
+        fn remove<V>(map: &Mutex<HashMap<String, V>>, name: &str) {
+            map.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
         }
-        remove(&self.epochs, &names);
-        remove(&self.acquires, &names);
-        remove(&self.releases, &names);
+        remove(&self.epochs, name);
+        remove(&self.acquires, name);
+        remove(&self.releases, name);
     }
 
     /// The channel of the quota of `keys` in this backend's database: `keys.events` in database
@@ -1080,8 +1073,7 @@ impl Backend for RedisBackend {
     }
 
     fn forget(&self, keys: &QuotaKeys) {
-        self.inner
-            .forget_quotas(std::iter::once(keys.name.as_str()));
+        self.inner.forget_quota(&keys.name);
     }
 
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
@@ -1143,241 +1135,11 @@ impl Backend for RedisBackend {
 }
 
 #[cfg(test)]
+mod forget_tests;
+
+#[cfg(test)]
 mod tests {
     use super::{epoch_stamp, Observed, SeenEpoch};
-
-    /// A backend whose first `forget` is held until the test lets it go, as if the
-    /// thread that dropped the last handle were descheduled between the `Arc`'s count reaching
-    /// zero and `Drop for Admissions` calling `forget`.
-    #[derive(Debug)]
-    struct HeldForget {
-        inner: super::RedisBackend,
-        entered: std::sync::Mutex<Option<std::sync::mpsc::Sender<()>>>,
-        go: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
-    }
-
-    impl HeldForget {
-        /// Held once, on the thread that drops the last handle, at its first call.
-        fn hold(&self) {
-            if std::thread::current().name() != Some("dropper") {
-                return;
-            }
-            if let Some(entered) = self.entered.lock().unwrap().take() {
-                entered.send(()).unwrap();
-                let go = self.go.lock().unwrap().take().unwrap();
-                let _ = go.recv_timeout(std::time::Duration::from_secs(10));
-            }
-        }
-    }
-
-    #[async_trait::async_trait]
-    impl crate::Backend for HeldForget {
-        async fn acquire_with_limit(
-            &self,
-            keys: &crate::QuotaKeys,
-            task_id: &str,
-            ttl: std::time::Duration,
-            limit: crate::backend::VersionedLimit,
-        ) -> crate::Result<crate::backend::AcquireReply> {
-            self.inner
-                .acquire_with_limit(keys, task_id, ttl, limit)
-                .await
-        }
-        async fn renew(
-            &self,
-            keys: &crate::QuotaKeys,
-            ttl: std::time::Duration,
-            epoch: &str,
-            leases: &[(String, u64)],
-        ) -> crate::Result<crate::backend::RenewReply> {
-            self.inner.renew(keys, ttl, epoch, leases).await
-        }
-        async fn set_limit(
-            &self,
-            keys: &crate::QuotaKeys,
-            limit: u32,
-            version: Option<u64>,
-        ) -> crate::Result<crate::backend::LimitUpdate> {
-            self.inner.set_limit(keys, limit, version).await
-        }
-        async fn release(
-            &self,
-            keys: &crate::QuotaKeys,
-            task_id: &str,
-            token: Option<u64>,
-        ) -> crate::Result<bool> {
-            self.inner.release(keys, task_id, token).await
-        }
-        async fn cancel(
-            &self,
-            keys: &crate::QuotaKeys,
-            task_id: &str,
-            reason: &str,
-            marker_ttl: std::time::Duration,
-        ) -> crate::Result<bool> {
-            self.inner.cancel(keys, task_id, reason, marker_ttl).await
-        }
-        async fn snapshot(
-            &self,
-            keys: &crate::QuotaKeys,
-        ) -> crate::Result<crate::backend::Snapshot> {
-            self.inner.snapshot(keys).await
-        }
-        async fn subscribe(
-            &self,
-            keys: &crate::QuotaKeys,
-        ) -> crate::Result<tokio::sync::broadcast::Receiver<crate::backend::QuotaEvent>> {
-            self.inner.subscribe(keys).await
-        }
-        fn forget(&self, keys: &crate::QuotaKeys) {
-            self.hold();
-            crate::Backend::forget(&self.inner, keys);
-        }
-        fn identity(&self) -> usize {
-            self.hold();
-            crate::Backend::identity(&self.inner)
-        }
-    }
-
-    /// The last handle of a quota drops while a new handle of the same quota starts: the old
-    /// handle's `forget` must not take the new one's state (its epoch) with it.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_late_forget_does_not_wipe_a_new_handles_epoch() {
-        use std::time::Duration;
-        let server = leasehold_testkit::RedisServer::start();
-        let redis = super::RedisBackend::connect(&server.url()).await.unwrap();
-        let (entered_tx, entered) = std::sync::mpsc::channel();
-        let (go, go_rx) = std::sync::mpsc::channel();
-        let backend: std::sync::Arc<dyn crate::Backend> = std::sync::Arc::new(HeldForget {
-            inner: redis.clone(),
-            entered: std::sync::Mutex::new(Some(entered_tx)),
-            go: std::sync::Mutex::new(Some(go_rx)),
-        });
-        let build = || {
-            crate::Quota::builder("q")
-                .limit(1)
-                .ttl(Duration::from_secs(10))
-                .events(false)
-                .shared_backend(backend.clone())
-                .build()
-                .unwrap()
-        };
-        let old = build();
-        old.try_acquire("x").await.unwrap().release().await.unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await; // background tasks let go
-                                                              // The last handle goes on another thread, descheduled just before `forget` runs.
-        let dropper = std::thread::Builder::new()
-            .name("dropper".into())
-            .spawn(move || drop(old))
-            .unwrap();
-        entered.recv_timeout(Duration::from_secs(5)).unwrap();
-        // Meanwhile a new handle of the same quota starts and takes a lease.
-        let new = build();
-        let a = new.try_acquire("a").await.unwrap();
-        let seen = |r: &super::RedisBackend| r.inner.epochs.lock().unwrap().contains_key("q");
-        assert!(seen(&redis));
-        go.send(()).unwrap();
-        dropper.join().unwrap();
-        let kept = seen(&redis);
-        // What it costs: the server loses its data (a restart without persistence). The new
-        // handle knows the epoch `a` was admitted in, so its next acquire should be quarantined
-        // (PROTOCOL §8) until `a` re-registers; with the epoch forgotten it is admitted next to
-        // `a`, whose holder still runs: two holders of a quota of one.
-        server.command(&["FLUSHALL"]);
-        let b = new.try_acquire("b").await;
-        assert!(
-            kept,
-            "the old handle's forget wiped the epoch of a live handle that holds {a:?}; \
-             after a data loss its acquire of b returned {b:?}"
-        );
-    }
-
-    /// A channel nobody listens to any more does not mean a quota nobody uses: another live
-    /// handle of the quota (events off, or not waiting yet) may share it, and keeps its state.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_unheard_channel_does_not_wipe_a_live_handles_epoch() {
-        use std::time::Duration;
-        let server = leasehold_testkit::RedisServer::start();
-        let redis = super::RedisBackend::connect(&server.url()).await.unwrap();
-        let build = |name: &str, events: bool| {
-            crate::Quota::builder(name)
-                .limit(1)
-                .ttl(Duration::from_secs(10))
-                .events(events)
-                .backend(redis.clone())
-                .build()
-                .unwrap()
-        };
-        let b = build("x", false);
-        let a = build("x", true);
-        let h = a.try_acquire("h").await.unwrap();
-        let _ = a.acquire_timeout("w", Duration::from_millis(300)).await; // a subscribes
-        h.release().await.unwrap();
-        drop(h);
-        let held = b.try_acquire("held").await.unwrap();
-        drop(a); // its listener goes: nobody hears channel x, but b lives and holds a lease
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let y = build("y", true);
-        let y1 = y.try_acquire("y1").await.unwrap();
-        let _ = y.acquire_timeout("y2", Duration::from_millis(300)).await; // y subscribes
-        drop(y1);
-        let kept = redis.inner.epochs.lock().unwrap().contains_key("x");
-        server.command(&["FLUSHALL"]);
-        let other = b.try_acquire("other").await;
-        assert!(
-            kept,
-            "x's epoch was forgotten while b holds {held:?}; after a data loss: {other:?}"
-        );
-    }
-
-    /// Quotas that never subscribe (events off) still let go of their per-name state when their
-    /// last handle goes: quota names that come and go do not pile up.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_last_handle_of_a_quota_takes_its_per_name_state_with_it() {
-        let server = leasehold_testkit::RedisServer::start();
-        let backend = super::RedisBackend::connect(&server.url()).await.unwrap();
-        let names = |backend: &super::RedisBackend| {
-            let inner = &backend.inner;
-            (
-                inner.epochs.lock().unwrap().len(),
-                inner.acquires.lock().unwrap().len(),
-                inner.releases.lock().unwrap().len(),
-            )
-        };
-        let kept = crate::Quota::builder("kept")
-            .limit(1)
-            .events(false)
-            .backend(backend.clone())
-            .build()
-            .unwrap();
-        kept.try_acquire("k")
-            .await
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
-        for i in 0..30 {
-            let quota = crate::Quota::builder(format!("tenant-{i}"))
-                .limit(1)
-                .events(false)
-                .backend(backend.clone())
-                .build()
-                .unwrap();
-            quota
-                .try_acquire("t")
-                .await
-                .unwrap()
-                .release()
-                .await
-                .unwrap();
-            let twin = quota.clone();
-            drop(quota);
-            assert_eq!(names(&backend).0, 2, "a clone still holds tenant-{i}");
-            drop(twin);
-        }
-        // Only the quota still held keeps its state (its epoch, and its queues).
-        assert_eq!(names(&backend), (1, 1, 1));
-    }
 
     #[test]
     fn a_late_reply_from_an_earlier_epoch_does_not_move_the_tracked_one_back() {
