@@ -85,20 +85,22 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                 // its own bound and its own answers.
                 for (epoch, live) in by_epoch {
                     for chunk in live.chunks(RENEW_BATCH) {
-                        let pairs = chunk.iter().map(|l| (l.task_id.clone(), l.token)).collect();
                         // Weak: a lease dropped while its renewal is out is released at once,
                         // not when the reply comes (or never, when beats overlap on a slow link).
-                        let chunk = chunk
+                        let (pairs, chunk) = chunk
                             .iter()
-                            .map(|l| (Arc::downgrade(l), l.release.clone()))
-                            .collect();
+                            .map(|l| {
+                                let pair = (l.task_id.clone(), l.token);
+                                (pair, (Arc::downgrade(l), l.release.clone()))
+                            })
+                            .unzip();
                         let (shared, epoch) = (shared.clone(), epoch.clone());
                         // Counted for `Quota::flush`: a lease dropped meanwhile may need its
                         // release sent again once the reply is in (see `renew`).
                         let work = shared.admissions.pending.start();
                         runtime::spawn(async move {
+                            let _work = work;
                             renew(&shared, &epoch, chunk, pairs).await;
-                            drop(work);
                         });
                     }
                 }

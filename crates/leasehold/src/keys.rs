@@ -97,9 +97,14 @@ pub fn validate_quota_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// The start of `text`, short enough for an error message.
+fn shown(text: &str) -> String {
+    text.chars().take(40).collect()
+}
+
 /// Rejects task ids that are empty, longer than [`MAX_TASK_ID_BYTES`] or hold control characters.
 pub fn validate_task_id(id: &str) -> Result<()> {
-    let shown: String = id.chars().take(40).collect();
+    let shown = shown(id);
     let bad = |why: &str| Err(Misconfiguration::InvalidTaskId(format!("{shown:?}: {why}")).into());
     if id.is_empty() {
         return bad("empty");
@@ -116,9 +121,9 @@ pub fn validate_task_id(id: &str) -> Result<()> {
 /// Rejects a cancel reason longer than [`MAX_CANCEL_REASON_BYTES`].
 pub fn validate_cancel_reason(reason: &str) -> Result<()> {
     if reason.len() > MAX_CANCEL_REASON_BYTES {
-        let shown: String = reason.chars().take(40).collect();
         return Err(Misconfiguration::InvalidCancelReason(format!(
-            "{shown:?}...: {} bytes, at most {MAX_CANCEL_REASON_BYTES}",
+            "{:?}...: {} bytes, at most {MAX_CANCEL_REASON_BYTES}",
+            shown(reason),
             reason.len()
         ))
         .into());
