@@ -10,23 +10,36 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::switchable::Switchable;
+use leasehold::{Lease, Quota};
 
-fn quota(backend: &Arc<Switchable>, name: &str, heartbeat: Duration) -> leasehold::Quota {
+fn quota(backend: &Arc<Switchable>, name: &str, heartbeat: Duration) -> Quota {
     common::quota_with(backend.clone(), name, 1, Duration::from_secs(3))
         .heartbeat(heartbeat)
         .build()
         .unwrap()
 }
 
+/// A quota of limit 1 on a fresh `Switchable`, renewing every `heartbeat`, and its lease of task
+/// `t`.
+async fn holding_t(name: &str, heartbeat: Duration) -> (Arc<Switchable>, Quota, Lease) {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend, &common::unique(name), heartbeat);
+    let lease = quota.try_acquire("t").await.unwrap();
+    (backend, quota, lease)
+}
+
+/// Makes each renewal take `delay`, and returns once one is out.
+async fn renewal_out(backend: &Switchable, delay: Duration) {
+    backend.slow_renewals(delay);
+    backend.renewing.notified().await;
+}
+
 /// The `flush` example (drop, then flush) with a renewal of the lease out at the drop: the
 /// release must be sent before `flush` returns, not when the renewal answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flush_waits_for_the_release_of_a_lease_dropped_during_a_renewal() {
-    let backend = Arc::new(Switchable::default());
-    let quota = quota(&backend, &common::unique("flush"), Duration::from_secs(1));
-    let lease = quota.try_acquire("t").await.unwrap();
-    backend.slow_renewals(Duration::from_millis(500));
-    backend.renewing.notified().await; // a renewal of `t` is out
+    let (backend, quota, lease) = holding_t("flush", Duration::from_secs(1)).await;
+    renewal_out(&backend, Duration::from_millis(500)).await;
     drop(lease);
     quota.flush().await;
     let holders = common::holder_ids(&quota).await;
@@ -40,15 +53,8 @@ async fn flush_waits_for_the_release_of_a_lease_dropped_during_a_renewal() {
 /// and renewed for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_lease_is_released_even_when_renewals_outlast_the_heartbeat() {
-    let backend = Arc::new(Switchable::default());
-    let quota = quota(
-        &backend,
-        &common::unique("overlap"),
-        Duration::from_millis(200),
-    );
-    let lease = quota.try_acquire("t").await.unwrap();
-    backend.slow_renewals(Duration::from_millis(500));
-    backend.renewing.notified().await;
+    let (backend, quota, lease) = holding_t("overlap", Duration::from_millis(200)).await;
+    renewal_out(&backend, Duration::from_millis(500)).await;
     drop(lease);
     // Bounded well under the 3 s ttl: an expiry would not count.
     let end = Instant::now() + Duration::from_secs(2);
@@ -92,12 +98,10 @@ async fn a_flush_through_any_handle_of_the_quota_waits_for_its_releases() {
 /// (PROTOCOL §8). Nobody holds it any more: it must be released again, before `flush` returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_dropped_while_a_renewal_re_registers_it_is_not_left_held() {
-    let backend = Arc::new(Switchable::default());
-    let quota = quota(&backend, &common::unique("rereg"), Duration::from_secs(1));
-    let lease = quota.try_acquire("t").await.unwrap();
+    let (backend, quota, lease) = holding_t("rereg", Duration::from_secs(1)).await;
     backend.inner.wipe(); // a restart without persistence
-    backend.slow_renewals(Duration::from_millis(300));
-    backend.renewing.notified().await; // t's renewal, with its old epoch, is on its way
+                          // t's renewal, with its old epoch, is on its way.
+    renewal_out(&backend, Duration::from_millis(300)).await;
     drop(lease); // released at once: before the renewal arrives
     quota.flush().await;
     backend.slow_renewals(Duration::ZERO);
@@ -112,12 +116,9 @@ async fn a_lease_dropped_while_a_renewal_re_registers_it_is_not_left_held() {
 /// in a struct, a clone elsewhere): the re-registered lease is released again all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_released_while_a_renewal_re_registers_it_is_not_left_held() {
-    let backend = Arc::new(Switchable::default());
-    let quota = quota(&backend, &common::unique("rereg2"), Duration::from_secs(1));
-    let lease = quota.try_acquire("t").await.unwrap();
+    let (backend, quota, lease) = holding_t("rereg2", Duration::from_secs(1)).await;
     backend.inner.wipe();
-    backend.slow_renewals(Duration::from_millis(300));
-    backend.renewing.notified().await;
+    renewal_out(&backend, Duration::from_millis(300)).await;
     lease.release().await.unwrap(); // released, handle kept
     quota.flush().await;
     backend.slow_renewals(Duration::ZERO);
@@ -133,11 +134,8 @@ async fn a_lease_released_while_a_renewal_re_registers_it_is_not_left_held() {
 /// renewal out at the abandon must not release it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_lease_is_not_released_by_a_renewal_in_flight() {
-    let backend = Arc::new(Switchable::default());
-    let quota = quota(&backend, &common::unique("abandon"), Duration::from_secs(1));
-    let lease = quota.try_acquire("t").await.unwrap();
-    backend.slow_renewals(Duration::from_millis(300));
-    backend.renewing.notified().await; // a renewal of `t` is out
+    let (backend, quota, lease) = holding_t("abandon", Duration::from_secs(1)).await;
+    renewal_out(&backend, Duration::from_millis(300)).await;
     lease.abandon();
     quota.flush().await; // the renewal has answered
     let holders = common::holder_ids(&quota).await;

@@ -9,6 +9,27 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Fixture;
+use leasehold::{Lease, Quota};
+use tokio::task::JoinHandle;
+
+/// A quota of `limit` on the memory backend, ttl 30 s, polling every `poll`.
+async fn memory_quota(limit: u64, poll: Duration) -> Quota {
+    let fx = Fixture::memory().await;
+    fx.builder(limit, Duration::from_secs(30))
+        .poll_interval(poll)
+        .build()
+        .unwrap()
+}
+
+/// A task waiting at most `within` for a slot of `quota` for task `id`.
+fn waiter(
+    quota: &Quota,
+    id: &'static str,
+    within: Duration,
+) -> JoinHandle<leasehold::Result<Lease>> {
+    let quota = quota.clone();
+    tokio::spawn(async move { quota.acquire_timeout(id, within).await })
+}
 
 /// Two slots free while the only waiter `a` has not yet taken its first wake-up (its runtime is
 /// busy for 60 ms, within the 100 ms a started attempt waits to be taken). The second release
@@ -74,18 +95,10 @@ fn a_second_slot_freed_before_the_only_waiter_runs_is_not_lost_for_a_newcomer() 
 /// (no slot taken), and its wake-up goes on to `y` instead of being spent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wake_up_spent_on_a_task_that_already_holds_is_passed_on() {
-    let fx = Fixture::memory().await;
-    let quota = fx
-        .builder(2, Duration::from_secs(30))
-        .poll_interval(Duration::from_secs(5))
-        .build()
-        .unwrap();
+    let quota = memory_quota(2, Duration::from_secs(5)).await;
     let h1 = quota.try_acquire("h1").await.unwrap();
     let h2 = quota.try_acquire("h2").await.unwrap();
-    let waiter = |id: &'static str, within: Duration| {
-        let q = quota.clone();
-        tokio::spawn(async move { q.acquire_timeout(id, within).await })
-    };
+    let waiter = |id, within| waiter(&quota, id, within);
     let x1 = waiter("x", Duration::from_secs(5));
     tokio::time::sleep(Duration::from_millis(50)).await;
     let x2 = waiter("x", Duration::from_secs(5));
@@ -156,17 +169,9 @@ async fn a_re_check_after_subscribing_keeps_arrival_order() {
 /// wake-up goes on to `b` instead of leaving with `a` (b slept to its poll, 10 s, before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wake_up_spent_on_a_cancelled_waiter_is_passed_on() {
-    let fx = Fixture::memory().await;
-    let quota = fx
-        .builder(1, Duration::from_secs(30))
-        .poll_interval(Duration::from_secs(10))
-        .build()
-        .unwrap();
+    let quota = memory_quota(1, Duration::from_secs(10)).await;
     let h = quota.try_acquire("h").await.unwrap();
-    let waiter = |id: &'static str, within: Duration| {
-        let q = quota.clone();
-        tokio::spawn(async move { q.acquire_timeout(id, within).await })
-    };
+    let waiter = |id, within| waiter(&quota, id, within);
     let w0 = waiter("w0", Duration::from_millis(300));
     tokio::time::sleep(Duration::from_millis(50)).await; // w0: refused, in line
     assert!(!quota.cancel("a", "stop").await.unwrap());
