@@ -68,6 +68,9 @@ impl From<Error> for Failure {
             Error::Cancelled(_) => CANCELLED,
             Error::BackendUnavailable(_) => UNAVAILABLE,
             Error::Misconfigured(_) => CONFIG,
+            // `Error` is non-exhaustive: a kind added after this binary was written is still an
+            // error, but this code cannot tell an operator what it means.
+            _ => SOFTWARE,
         };
         if let Error::Misconfigured(Misconfiguration::LimitMismatch {
             configured,

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 /// Why a [`Lease`](crate::Lease) is no longer held.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum LostReason {
     /// A renewal found the lease gone from the backend: its deadline passed (the holder stopped
     /// renewing for longer than the ttl), the backend lost its state, or another process that
@@ -46,6 +47,7 @@ impl std::fmt::Display for LostReason {
 
 /// What is wrong with the configuration or the input; retrying will not help.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum Misconfiguration {
     /// The builder was never given a limit.
     #[error("no limit set: QuotaBuilder::limit is required (1 to {max})", max = crate::MAX_LIMIT)]
@@ -164,6 +166,7 @@ fn full_text(quota: &str, cause: &FullCause) -> String {
 
 /// Every error leasehold returns.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// No slot is free right now ([`Quota::try_acquire`](crate::Quota::try_acquire)); `cause`
     /// says why.

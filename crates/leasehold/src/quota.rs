@@ -85,6 +85,7 @@ const ORPHAN_GRACE: Duration = Duration::from_secs(2);
 
 /// One holder in a [`Status`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Holder {
     /// The task id.
     pub task_id: String,
@@ -98,6 +99,7 @@ pub struct Holder {
 
 /// A point-in-time view of a quota, from [`Quota::status`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Status {
     /// The quota's name.
     pub quota: String,
