@@ -225,6 +225,12 @@ fn status_shows_holders_as_a_table_and_as_json() {
         79,
         "lease lost: released elsewhere"
     );
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut said).unwrap();
+    assert_eq!(
+        said.trim(),
+        "leasehold: lease released elsewhere; the command was stopped"
+    );
 }
 
 #[test]

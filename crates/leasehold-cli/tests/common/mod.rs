@@ -58,6 +58,8 @@ pub fn spawn_holder(
         .args(run_args)
         .args(["--task-id", task, "--"])
         .args(command)
+        // Read by the tests that check what it says; a few lines fit in the pipe's buffer.
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     wait_held(server, quota, task);
