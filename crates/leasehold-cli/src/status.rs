@@ -47,6 +47,7 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
             "limit_version": version,
             "held": status.holders.len(),
             "free": free,
+            "quarantine_ms": status.quarantine.map(|d| d.as_millis() as u64),
             "holders": holders,
         });
         output::print(&format!("{doc}\n"))?;
@@ -64,6 +65,14 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
         shown(limit),
         shown(free)
     );
+    if let Some(left) = status.quarantine {
+        let _ = writeln!(
+            table,
+            "quarantined for {:.1}s more: Redis lost the quota's data; its holders re-register \
+             and nobody new is admitted until then",
+            left.as_secs_f64()
+        );
+    }
     if status.holders.is_empty() {
         output::print(&table)?;
         return Ok(0);

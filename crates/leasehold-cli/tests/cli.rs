@@ -234,6 +234,40 @@ fn status_shows_holders_as_a_table_and_as_json() {
 }
 
 #[test]
+fn status_shows_the_quarantine_after_redis_lost_the_quota() {
+    let server = RedisServer::start();
+    let mut run = spawn_holder(
+        &server,
+        "lost",
+        &["--limit", "2", "--ttl", "3s", "--heartbeat", "200ms"],
+        "survivor",
+        &["sleep", "30"],
+    );
+    server.command(&["FLUSHALL"]);
+    // The holder's next renewal finds its lease gone with the epoch it knew: it re-registers
+    // and starts the quarantine (one ttl, 3 s).
+    wait_held(&server, "lost", "survivor");
+    let json = run_cli(&server.url(), "lost", ["status", "--json", "--limit", "2"]);
+    let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let left = doc["quarantine_ms"].as_u64();
+    assert!(left.is_some_and(|ms| ms > 0 && ms <= 3000), "{doc}");
+    assert_eq!(
+        (doc["held"].as_u64(), doc["free"].as_u64()),
+        (Some(1), Some(0))
+    );
+    let table = run_cli(&server.url(), "lost", ["status", "--limit", "2"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    println!("{text}");
+    // Unless the quarantine ran out between the two calls.
+    assert!(
+        text.contains("quarantined for ") || text.contains("free 1"),
+        "{text}"
+    );
+    let _ = run.kill();
+    let _ = run.wait();
+}
+
+#[test]
 fn bad_input_gets_one_line_and_a_non_zero_exit_never_a_panic() {
     let server = RedisServer::start_with(&["--requirepass", "pw"]);
     let port = server.port();

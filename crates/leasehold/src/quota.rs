@@ -115,6 +115,11 @@ pub struct Status {
     pub now: SystemTime,
     /// The live leases, earliest deadline first.
     pub holders: Vec<Holder>,
+    /// How long new admissions are still refused after the backend lost the quota's state
+    /// (their [`FullCause::Quarantined`](crate::FullCause::Quarantined)), while its holders
+    /// re-register; `None` when no quarantine is in force. A loss that no acquire or renewal has
+    /// noticed yet shows none: the quarantine starts when the first one does.
+    pub quarantine: Option<Duration>,
 }
 
 impl Status {
@@ -132,9 +137,14 @@ impl Status {
             .is_some_and(|s| s.version == self.limit_version && s.limit != self.limit)
     }
 
-    /// Slots free right now under the [effective limit](Self::effective_limit) (0 when more
-    /// leases are live than it allows, after the limit was lowered).
+    /// Slots an acquire could take right now: those free under the
+    /// [effective limit](Self::effective_limit), or 0 during a [quarantine](Self::quarantine)
+    /// (which admits nobody) and when more leases are live than the limit allows (after it was
+    /// lowered).
     pub fn free(&self) -> u32 {
+        if self.quarantine.is_some() {
+            return 0;
+        }
         self.effective_limit()
             .saturating_sub(self.holders.len() as u32)
     }
@@ -325,6 +335,8 @@ impl Quota {
             limit_version: self.limit_version(),
             stored_limit: snapshot.limit,
             now: system_time(snapshot.now_ms),
+            quarantine: (snapshot.quarantine_left_ms > 0)
+                .then(|| Duration::from_millis(snapshot.quarantine_left_ms)),
             holders: snapshot
                 .holders
                 .into_iter()

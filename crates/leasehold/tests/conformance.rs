@@ -1760,10 +1760,19 @@ async fn a_lease_re_registered_after_a_dataset_loss_is_answered_cancelled(fx: Fi
             reason: "stop a".into()
         }
     );
+    let refused_at = Instant::now();
     let quarantined = fx.backend.acquire(&keys, "c", TTL, 1).await.unwrap();
+    let AcquireReply::Quarantined { remaining_ms } = quarantined else {
+        panic!("{quarantined:?}")
+    };
+    assert!(remaining_ms <= 600, "{remaining_ms}");
+    // The snapshot shows the quarantine that refused it, unless it ran out in between.
+    let during = fx.backend.snapshot(&keys).await.unwrap();
+    let since = refused_at.elapsed().as_millis() as u64;
+    assert!(during.quarantine_left_ms <= remaining_ms, "{during:?}");
     assert!(
-        matches!(quarantined, AcquireReply::Quarantined { remaining_ms } if remaining_ms <= 600),
-        "{quarantined:?}"
+        during.quarantine_left_ms > 0 || since + 20 >= remaining_ms,
+        "{during:?}, {since} ms after {remaining_ms} ms were left"
     );
     // Its holder releases it, as told; a renewal after that is gone, marker or not.
     assert!(fx.backend.release(&keys, "a", Some(a.token)).await.unwrap());
@@ -1776,6 +1785,8 @@ async fn a_lease_re_registered_after_a_dataset_loss_is_answered_cancelled(fx: Fi
     // After the quarantine (one ttl from the first stale renewal), the next token is the one
     // above the re-registered token: the cancelled re-registration raised `fence` too.
     tokio::time::sleep(TTL + Duration::from_millis(50)).await;
+    let after = fx.backend.snapshot(&keys).await.unwrap();
+    assert_eq!(after.quarantine_left_ms, 0, "{after:?}");
     let c = fx.backend.acquire(&keys, "c", TTL, 1).await.unwrap();
     assert!(
         matches!(&c, AcquireReply::Acquired(r) if r.token == a.token + 1),

@@ -1372,6 +1372,14 @@ async fn a_store_that_went_back_is_a_loss_and_busy_clients_are_no_false_alarm() 
         quarantined.to_string().contains("lost its state"),
         "{quarantined}"
     );
+    let status = one.status().await.unwrap();
+    assert!(
+        status
+            .quarantine
+            .is_some_and(|left| left <= Duration::from_secs(5)),
+        "{status:?}"
+    );
+    assert_eq!(status.free(), 0, "nobody new is admitted: {status:?}");
     assert_ne!(epoch(), Some(before), "a new epoch");
     assert!(
         server

@@ -356,6 +356,7 @@ impl Backend for MemoryBackend {
                 now_ms: now,
                 holders,
                 limit: q.limit,
+                quarantine_left_ms: q.epochs.quarantine_until_ms.saturating_sub(now),
             }
         }))
     }

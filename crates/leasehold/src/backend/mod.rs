@@ -132,6 +132,9 @@ pub struct Snapshot {
     /// The limit the backend admits up to, if one is stored (none before the quota's first
     /// acquire, or after the backend lost its data).
     pub limit: Option<VersionedLimit>,
+    /// How long the quarantine after a detected loss of the quota's state still refuses new
+    /// admissions, in milliseconds; 0 when none is in force.
+    pub quarantine_left_ms: u64,
 }
 
 /// Something that happened to a quota, as announced on its channel. Delivery is at most once:

@@ -1036,12 +1036,13 @@ impl Backend for RedisBackend {
                     keys.leases.clone(),
                     keys.holders.clone(),
                     keys.limit.clone(),
+                    keys.quarantine.clone(),
                 ],
                 vec![],
             )
             .await?;
         let now_ms = int(reply.first())?;
-        if reply.len() < 3 || (reply.len() - 3) % 4 != 0 {
+        if reply.len() < 4 || (reply.len() - 4) % 4 != 0 {
             return Err(Misconfiguration::Protocol(format!(
                 "snapshot replied {} values",
                 reply.len()
@@ -1052,7 +1053,8 @@ impl Backend for RedisBackend {
             0 => None,
             _ => Some(versioned_limit(&reply[1..])?),
         };
-        let holders = reply[3..]
+        let quarantine_left_ms = int(reply.get(3))?;
+        let holders = reply[4..]
             .chunks(4)
             .map(|c| {
                 Ok(LeaseRecord {
@@ -1069,6 +1071,7 @@ impl Backend for RedisBackend {
             now_ms,
             holders,
             limit,
+            quarantine_left_ms,
         })
     }
 

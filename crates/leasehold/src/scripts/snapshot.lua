@@ -1,8 +1,9 @@
 #!lua flags=no-writes
 -- leasehold protocol v1: snapshot (read only)
--- KEYS[1] leases   KEYS[2] holders   KEYS[3] limit
--- Reply: {now_ms, stored_limit, stored_version, id_1, token_1, acquired_ms_1, deadline_ms_1,
--- id_2, ...}, live leases only, earliest deadline first; stored_limit 0 when none is stored.
+-- KEYS[1] leases   KEYS[2] holders   KEYS[3] limit   KEYS[4] quarantine
+-- Reply: {now_ms, stored_limit, stored_version, quarantine_left_ms, id_1, token_1, acquired_ms_1,
+-- deadline_ms_1, id_2, ...}, live leases only, earliest deadline first; stored_limit 0 when none
+-- is stored, quarantine_left_ms 0 when no quarantine is in force.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local stored = redis.call('HMGET', KEYS[3], 'limit', 'version')
@@ -13,6 +14,8 @@ if stored[1] and stored[2] then
 else
   out[2], out[3] = 0, 0
 end
+-- PTTL answers -2 (no key) or -1 (no TTL, never written so by the protocol): no quarantine.
+out[4] = math.max(redis.call('PTTL', KEYS[4]), 0)
 for i = 1, #live, 2 do
   local id = live[i]
   local meta = redis.call('HGET', KEYS[2], id)
