@@ -123,10 +123,15 @@ pub struct Status {
 }
 
 impl Status {
-    /// The limit acquires are admitted against: the stored one, or this handle's while none is
-    /// stored (its first acquire will store it).
+    /// The limit this handle's next acquire is admitted against: the stored one, or this
+    /// handle's own while none is stored or the stored one has a lower version (that acquire
+    /// stores this handle's limit first). Handles with an older version than the stored one
+    /// follow the stored limit.
     pub fn effective_limit(&self) -> u32 {
-        self.stored_limit.map_or(self.limit, |stored| stored.limit)
+        match self.stored_limit {
+            Some(stored) if stored.version >= self.limit_version => stored.limit,
+            _ => self.limit,
+        }
     }
 
     /// True when the backend stores another limit under this handle's limit version: this

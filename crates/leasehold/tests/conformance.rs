@@ -1063,6 +1063,12 @@ async fn lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it(fx: F
         .limit_version(2)
         .build()
         .unwrap();
+    // Before its first acquire, its status already speaks of the limit that acquire will store.
+    let ahead = three.status().await.unwrap();
+    assert_eq!(
+        (ahead.stored_limit, ahead.effective_limit(), ahead.free()),
+        (Some(versioned(10, 1)), 3, 0)
+    );
     assert!(is_full(&three.try_acquire("new").await));
     let status = three.status().await.unwrap();
     assert_eq!(status.stored_limit, Some(versioned(3, 2)));
