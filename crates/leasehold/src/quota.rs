@@ -72,6 +72,8 @@ pub(crate) struct Shared {
     subscribe_failed_at: Mutex<Option<Instant>>,
     /// A subscription attempt started by a waiter is under way.
     subscribing: AtomicBool,
+    /// The task that keeps the subscription in place for local leases runs.
+    watching_local: AtomicBool,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
     pub(crate) shutdown: CancellationToken,
     /// Wakes the renewal task for a new lease whose local deadline comes first.
@@ -233,6 +235,7 @@ impl Quota {
             listening: AtomicBool::new(false),
             subscribe_failed_at: Mutex::new(None),
             subscribing: AtomicBool::new(false),
+            watching_local: AtomicBool::new(false),
             shutdown: CancellationToken::new(),
             alarm: Arc::default(),
             breaker: Breaker::new(config.breaker),
@@ -968,7 +971,42 @@ impl Shared {
             "backend unavailable: lease granted locally");
         let inner = Arc::new(LeaseInner::local(self.clone(), task_id));
         local.insert(task_id.to_owned(), Arc::downgrade(&inner));
+        drop(local);
+        self.listen_while_local_leases_live();
         Attempt::Admitted(Lease::from_inner(inner))
+    }
+
+    /// A local lease hears of a cancel only through the quota's channel, and a process that
+    /// holds only local leases makes no backend call that would subscribe again (they are not
+    /// renewed). So while any is held, the subscription is retried until it is in place, and
+    /// again whenever it drops.
+    fn listen_while_local_leases_live(self: &Arc<Self>) {
+        if !self.config.events || self.watching_local.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let shared = Arc::downgrade(self);
+        let stop = self.shutdown.clone();
+        runtime::spawn(async move {
+            loop {
+                let Some(this) = shared.upgrade() else { return };
+                if this.admissions.local_held.load(Ordering::Acquire) == 0 {
+                    this.watching_local.store(false, Ordering::Release);
+                    // A lease granted just before the flag went down found it up and left the
+                    // watching to this task.
+                    if this.admissions.local_held.load(Ordering::Acquire) == 0
+                        || this.watching_local.swap(true, Ordering::AcqRel)
+                    {
+                        return;
+                    }
+                }
+                this.listen_in_background();
+                drop(this);
+                tokio::select! {
+                    _ = tokio::time::sleep(SUBSCRIBE_RETRY) => {}
+                    _ = stop.cancelled() => return,
+                }
+            }
+        });
     }
 
     /// A local lease was released.

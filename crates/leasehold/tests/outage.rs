@@ -288,3 +288,37 @@ async fn a_local_lease_hears_a_cancel_after_a_long_outage() {
         "{heard:?}"
     );
 }
+
+/// The same when the quota never subscribed: its first acquire came during the outage. Nothing
+/// else of this process calls Redis (a local lease is not renewed), so the quota itself must
+/// keep trying to subscribe while it holds local leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_lease_granted_before_the_first_subscription_hears_a_cancel() {
+    let mut server = RedisServer::start();
+    let quota = quota(&server, "first-in-outage", BackendDownPolicy::FailOpen).await;
+    server.kill();
+    open_the_circuit(&quota).await;
+    let lease = quota.try_acquire("job").await.unwrap();
+    assert!(lease.is_local());
+    server.restart();
+    let back = Instant::now();
+    let channel = "leasehold:{first-in-outage}:events";
+    assert!(
+        eventually(Duration::from_secs(5), || subscribers(&server, channel)
+            == 1)
+        .await,
+        "never subscribed after Redis came back"
+    );
+    println!("subscribed {:?} after Redis came back", back.elapsed());
+    let operator = Quota::builder("first-in-outage")
+        .limit(2)
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    operator.cancel("job", "operator stop").await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
+    assert!(
+        matches!(heard, Ok(leasehold::LostReason::Cancelled(_))),
+        "{heard:?}"
+    );
+}
