@@ -35,6 +35,9 @@ impl std::fmt::Display for LostReason {
             ),
             LostReason::ReleasedElsewhere => f.write_str("lease released elsewhere"),
             LostReason::Superseded => f.write_str("lease superseded by a newer admission"),
+            LostReason::Cancelled(reason) if reason.is_empty() => {
+                f.write_str("task cancelled (no reason given)")
+            }
             LostReason::Cancelled(reason) => write!(f, "task cancelled: {reason}"),
             LostReason::LocalDeadline => f.write_str(
                 "local deadline passed before a renewal was confirmed (the backend \
@@ -193,7 +196,7 @@ pub enum Error {
     #[error("{0}")]
     LeaseLost(LostReason),
     /// The task was cancelled before or while it waited.
-    #[error("task cancelled: {0}")]
+    #[error("{}", LostReason::Cancelled(.0.clone()))]
     Cancelled(String),
     /// The backend could not be reached or answered with a transient error (connection refused,
     /// timeout, LOADING, READONLY, ...). Retrying later may succeed.

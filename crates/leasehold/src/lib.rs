@@ -56,8 +56,8 @@ pub use breaker::{BreakerConfig, BreakerMode};
 pub use config::{BackendDownPolicy, QuotaBuilder, MAX_CANCEL_MARKER_TTL, MAX_TTL, MIN_TTL};
 pub use error::{Error, FullCause, LostReason, Misconfiguration, Result};
 pub use keys::{
-    validate_task_id, QuotaKeys, MAX_CANCEL_REASON_BYTES, MAX_LIMIT, MAX_LIMIT_VERSION,
-    MAX_QUOTA_NAME_BYTES, MAX_TASK_ID_BYTES, PROTOCOL_VERSION,
+    validate_cancel_reason, validate_task_id, QuotaKeys, MAX_CANCEL_REASON_BYTES, MAX_LIMIT,
+    MAX_LIMIT_VERSION, MAX_QUOTA_NAME_BYTES, MAX_TASK_ID_BYTES, PROTOCOL_VERSION,
 };
 pub use lease::Lease;
 pub use quota::{Holder, Quota, Status};

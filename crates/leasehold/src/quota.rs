@@ -458,6 +458,30 @@ impl Quota {
             .await
     }
 
+    /// The reason `task_id` was cancelled, while its cancel marker lives (the quota's
+    /// [cancel marker ttl](crate::QuotaBuilder::cancel_marker_ttl)); `None` if it was not.
+    ///
+    /// For a holder that lost its lease for another reason and wonders whether to run the task
+    /// again: a lease lost at its [local deadline](crate::LostReason::LocalDeadline) while the
+    /// process was paused may also have been cancelled meanwhile, and the cancel message, which
+    /// arrives later, finds the lease already lost.
+    ///
+    /// ```
+    /// # async fn demo() -> leasehold::Result<()> {
+    /// let quota = leasehold::Quota::builder("reports").limit(4).build()?;
+    /// quota.cancel("report-17", "superseded").await?;
+    /// assert_eq!(quota.cancel_reason("report-17").await?.as_deref(), Some("superseded"));
+    /// assert_eq!(quota.cancel_reason("report-18").await?, None);
+    /// # Ok(()) }
+    /// ```
+    pub async fn cancel_reason(&self, task_id: &str) -> Result<Option<String>> {
+        validate_task_id(task_id)?;
+        self.shared
+            .backend
+            .cancel_reason(&self.shared.keys, task_id)
+            .await
+    }
+
     fn full(&self, cause: FullCause) -> Error {
         Error::Full {
             quota: self.name().to_owned(),

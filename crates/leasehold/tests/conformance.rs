@@ -40,6 +40,7 @@ conformance!(
     cancel_reaches_the_holder_at_its_next_renewal_without_the_message,
     cancel_before_acquire_makes_acquire_fail,
     cancel_reaches_a_waiting_task,
+    cancel_reason_reads_the_marker_while_it_lives,
     an_abandoned_lease_holds_its_slot_until_its_deadline,
     an_older_handle_hears_when_its_task_is_admitted_again,
     a_task_acquired_again_right_after_its_drop_holds_a_live_lease,
@@ -761,6 +762,41 @@ async fn cancel_before_acquire_makes_acquire_fail(fx: Fixture) {
     ));
     assert!(quota.status().await.unwrap().holders.is_empty());
     quota.try_acquire("other").await.unwrap();
+}
+
+async fn cancel_reason_reads_the_marker_while_it_lives(fx: Fixture) {
+    let quota = fx.quota(2, TTL);
+    assert_eq!(quota.cancel_reason("job").await.unwrap(), None);
+    let lease = quota.try_acquire("job").await.unwrap();
+    quota.cancel("job", "operator stop").await.unwrap();
+    assert_eq!(
+        quota.cancel_reason("job").await.unwrap().as_deref(),
+        Some("operator stop")
+    );
+    // A reason may be empty: the marker still says "cancelled".
+    quota.cancel("quiet", "").await.unwrap();
+    assert_eq!(
+        quota.cancel_reason("quiet").await.unwrap().as_deref(),
+        Some("")
+    );
+    assert_eq!(quota.cancel_reason("other").await.unwrap(), None);
+    assert!(matches!(
+        quota.cancel_reason("").await,
+        Err(Error::Misconfigured(Misconfiguration::InvalidTaskId(_)))
+    ));
+    drop(lease);
+    // Gone with the marker.
+    let keys = fx.keys();
+    let marker_ttl = Duration::from_millis(100);
+    fx.backend
+        .cancel(&keys, "brief", "stop", marker_ttl)
+        .await
+        .unwrap();
+    tokio::time::sleep(marker_ttl + Duration::from_millis(20)).await;
+    assert_eq!(
+        fx.backend.cancel_reason(&keys, "brief").await.unwrap(),
+        None
+    );
 }
 
 async fn cancel_reaches_a_waiting_task(fx: Fixture) {

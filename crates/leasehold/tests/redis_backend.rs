@@ -144,6 +144,13 @@ async fn credentials_are_checked_at_connect() {
                     matches!(err, Error::Misconfigured(Misconfiguration::Auth(_))),
                     "{url}: {err:?}"
                 );
+                // No password at all: say where it goes, not only the protocol's words.
+                let without = !url.contains('@');
+                assert_eq!(
+                    err.to_string().contains("give it in the URL"),
+                    without,
+                    "{url}: {err}"
+                );
             }
         }
     }

@@ -343,6 +343,10 @@ impl Backend for MemoryBackend {
         }))
     }
 
+    async fn cancel_reason(&self, keys: &QuotaKeys, task_id: &str) -> Result<Option<String>> {
+        Ok(self.with_quota(&keys.name, |q, now| q.cancel_reason(task_id, now)))
+    }
+
     async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
         Ok(self.with_quota(&keys.name, |q, now| {
             let mut holders: Vec<LeaseRecord> = q

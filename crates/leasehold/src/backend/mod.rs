@@ -235,6 +235,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         marker_ttl: Duration,
     ) -> Result<bool>;
 
+    /// The reason `task_id` was cancelled, while its cancel marker lives; `None` if it was not
+    /// (or the marker expired). Reads only.
+    async fn cancel_reason(&self, keys: &QuotaKeys, task_id: &str) -> Result<Option<String>>;
+
     /// The live leases of the quota.
     async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot>;
 

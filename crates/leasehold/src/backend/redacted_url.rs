@@ -9,10 +9,15 @@
 ///
 /// The user-info runs to the *last* `@`: a URL that failed to parse may hold a password with an
 /// unencoded `/`, `?` or `#`, and cutting at those first would show it. An `@` later in the URL
-/// (rare in a Redis URL) hides a little more than the password; never less.
+/// (rare in a Redis URL) hides a little more than the password; never less. Without `://` (a
+/// mistyped scheme: `redis//:pw@host`, `redis:/:pw@host`, or none) nothing tells the user-info
+/// from the scheme, so everything before the last `@` is hidden.
 pub(crate) fn redacted(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return redacted_query(url);
+        return match url.rsplit_once('@') {
+            Some((_, host)) => redacted_query(&format!("***@{host}")),
+            None => redacted_query(url),
+        };
     };
     let rest = match rest.rsplit_once('@') {
         Some((userinfo, host)) => match userinfo.split_once(':') {
@@ -59,6 +64,10 @@ mod tests {
                 "redis+unix:///tmp/r.sock?db=1&pass=***",
             ),
             ("not a url", "not a url"),
+            // A mistyped scheme: the URL does not parse, and is shown.
+            ("redis//:s3cret@127.0.0.1:1/", "***@127.0.0.1:1/"),
+            ("redis:/:s3cret@127.0.0.1:1/", "***@127.0.0.1:1/"),
+            ("s3cret@127.0.0.1:1", "***@127.0.0.1:1"),
             // Unencoded `/`, `?` or `#` in a password: the URL does not parse, and is shown.
             (
                 "redis://u:pa/s3cret@127.0.0.1:16392/",

@@ -556,6 +556,14 @@ fn map_error(e: RedisError, quota: &str) -> Error {
         || text.contains("NOAUTH")
         || e.kind() == ErrorKind::AuthenticationFailed
     {
+        // Redis words a missing password in protocol terms (HELLO AUTH); say where it goes.
+        if text.contains("NOAUTH") {
+            return Misconfiguration::Auth(format!(
+                "the server requires a password: give it in the URL, \
+                 redis://:PASSWORD@host:port/ or redis://USER:PASSWORD@host:port/ ({text})"
+            ))
+            .into();
+        }
         return Misconfiguration::Auth(text).into();
     }
     if SERVER_BUSY_CODES.contains(&code) {
@@ -1025,6 +1033,17 @@ impl Backend for RedisBackend {
             )
             .await?;
         Ok(int(reply.first())? == 1)
+    }
+
+    async fn cancel_reason(&self, keys: &QuotaKeys, task_id: &str) -> Result<Option<String>> {
+        let key = keys.cancel(task_id);
+        self.on_link(&keys.name, |mut conn| async move {
+            redis::cmd("GET")
+                .arg(key)
+                .query_async::<Option<String>>(&mut conn)
+                .await
+        })
+        .await
     }
 
     async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {

@@ -167,6 +167,10 @@ impl Backend for Switchable {
         self.up()?;
         self.inner.cancel(keys, id, reason, ttl).await
     }
+    async fn cancel_reason(&self, keys: &QuotaKeys, id: &str) -> Result<Option<String>> {
+        self.up()?;
+        self.inner.cancel_reason(keys, id).await
+    }
     async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
         self.up()?;
         self.inner.snapshot(keys).await

@@ -93,6 +93,9 @@ impl Backend for HeldForget {
     ) -> Result<bool> {
         self.inner.cancel(keys, task_id, reason, marker_ttl).await
     }
+    async fn cancel_reason(&self, keys: &QuotaKeys, task_id: &str) -> Result<Option<String>> {
+        self.inner.cancel_reason(keys, task_id).await
+    }
     async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
         self.inner.snapshot(keys).await
     }
