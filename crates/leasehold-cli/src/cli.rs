@@ -13,9 +13,9 @@ use clap::{Args, Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "leasehold", version, propagate_version = true)]
 pub struct Cli {
-    /// Redis URL, e.g. redis://:password@127.0.0.1:6379/ or rediss://... Without it, only the
-    /// in-memory backend of this one process exists, which no other process can see. `demo`
-    /// takes it only from the command line, never from LEASEHOLD_REDIS_URL.
+    /// Redis URL, e.g. redis://:password@127.0.0.1:6379/ or rediss://... Every command but
+    /// `demo` needs it: without Redis a quota would exist only inside one process. `demo` takes
+    /// it only from the command line, never from LEASEHOLD_REDIS_URL.
     #[arg(
         long,
         global = true,
@@ -29,7 +29,7 @@ pub struct Cli {
     #[arg(long, global = true, env = "LEASEHOLD_QUOTA", value_name = "NAME")]
     pub quota: Option<String>,
 
-    /// Say more on stderr (the task id, the fencing token, lease events).
+    /// Say more on stderr (the task id and the fencing token of `run`).
     #[arg(short, long, global = true)]
     pub verbose: bool,
 
@@ -75,10 +75,12 @@ pub struct RunArgs {
     /// another limit is refused (exit 78). Raise it whenever you change --limit.
     #[arg(long, default_value_t = 0, value_name = "V")]
     pub limit_version: u64,
-    /// Lease time to live: a crashed holder's slot comes back this long after its last renewal.
+    /// Lease time to live (50ms to 24h): a crashed holder's slot comes back this long after its
+    /// last renewal.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub ttl: Duration,
-    /// Renewal interval (default: ttl / 3).
+    /// Renewal interval (default: ttl / 3). It must be shorter than what a renewal grants: the
+    /// ttl less 1 ms and a safety margin (ttl / 20, at least 10 ms); longer is refused (exit 78).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub heartbeat: Option<Duration>,
     /// How long to wait for a slot: 0 = one try, unset = forever.
@@ -110,9 +112,14 @@ pub struct StatusArgs {
 pub struct CancelArgs {
     /// The task to cancel.
     pub task_id: String,
-    /// Why; the holder sees it.
+    /// Why; the holder sees it (at most 1024 bytes).
     #[arg(long, default_value = "cancelled by operator")]
     pub reason: String,
+    /// The --ttl of the run that holds or waits for the task: the cancel marker is kept one
+    /// hour plus this (two ttls when that is longer), so that a holder whose cancel message is
+    /// lost still finds it at its next renewal.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub ttl: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -120,8 +127,9 @@ pub struct LimitArgs {
     /// The new limit: how many tasks may run at once, fleet-wide.
     #[arg(value_name = "N")]
     pub limit: u64,
-    /// Its version; default: one above the stored version. A version not above the stored
-    /// one changes nothing (exit 78).
+    /// Its version; default: one above the stored version. A version below the stored one, or
+    /// the stored version with another limit, changes nothing (exit 78); the stored limit and
+    /// version again is a no-op (exit 0).
     #[arg(long, value_name = "V")]
     pub limit_version: Option<u64>,
 }

@@ -47,17 +47,30 @@ impl Failure {
         Failure::new(code, "")
     }
 
-    /// The message as one line: scripts log stderr line by line, and some backend errors (a
-    /// server that is not Redis) span several.
+    /// The message as one line: see [`one_line`].
     pub fn one_line(&self) -> String {
-        let lines: Vec<&str> = self
-            .message
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .collect();
-        lines.join("; ")
+        one_line(&self.message)
     }
+}
+
+/// `text` as one printable line: scripts log stderr line by line, and some texts span several
+/// (an error of a server that is not Redis, a cancel reason someone typed). Lines are joined
+/// with "; " and other control characters escaped, so that no text of another party can move
+/// the cursor or color a terminal.
+pub fn one_line(text: &str) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    lines
+        .join("; ")
+        .chars()
+        .map(|c| match c {
+            c if c.is_control() => c.escape_default().to_string(),
+            c => c.to_string(),
+        })
+        .collect()
 }
 
 impl From<Error> for Failure {
@@ -89,5 +102,19 @@ impl From<Error> for Failure {
             );
         }
         Failure::new(code, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+
+    #[test]
+    fn another_partys_text_is_one_line_and_cannot_drive_the_terminal() {
+        assert_eq!(
+            one_line("task cancelled: line one\nline two\x1b[31mRED\t."),
+            "task cancelled: line one; line two\\u{1b}[31mRED\\t."
+        );
+        assert_eq!(one_line("  plain  "), "plain");
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use clap::Parser;
 
 use leasehold::backend::LimitUpdate;
-use leasehold::{validate_task_id, Quota, RedisBackend};
+use leasehold::{validate_cancel_reason, validate_task_id, Quota, RedisBackend};
 
 use cli::{Cli, Command};
 use exit::Failure;
@@ -116,7 +116,8 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
         Command::Status(args) => base(args.limit.unwrap_or(1)),
         Command::Cancel(args) => {
             validate_task_id(&args.task_id)?;
-            base(1)
+            validate_cancel_reason(&args.reason)?;
+            base(1).ttl(args.ttl)
         }
         Command::Release(args) => {
             validate_task_id(&args.task_id)?;

@@ -2,9 +2,9 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use leasehold::{Lease, LostReason, Quota};
+use leasehold::{Error, Lease, LostReason, Quota};
 use tokio::process::{Child, Command};
 
 use crate::cli::RunArgs;
@@ -30,7 +30,8 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
                 lease = &mut acquiring => match lease {
                     Ok(lease) => break lease,
                     Err(failure) => {
-                        if failure.code == exit::NO_SLOT && args.wait.is_some_and(|d| !d.is_zero()) {
+                        let waited = args.wait.is_none_or(|d| !d.is_zero());
+                        if waited && matches!(failure.code, exit::NO_SLOT | exit::UNAVAILABLE) {
                             // `--wait` ran out, maybe with an attempt still in flight.
                             give_back_unclaimed(&quota, &task_id, generated).await;
                         }
@@ -114,7 +115,19 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             let _ = lease.release().await;
         }
     }
-    match outcome? {
+    let mut outcome = outcome?;
+    // A cancel during a long stop (or a pause) reaches us only after the local deadline ended
+    // the lease: the marker says whether the task was cancelled too, and a cancelled task must
+    // not look like one worth running again (exit 79).
+    if matches!(
+        outcome,
+        Outcome::StoppedTooLong | Outcome::Lost(LostReason::LocalDeadline)
+    ) {
+        if let Some(reason) = cancelled_meanwhile(&quota, lease.task_id()).await {
+            outcome = Outcome::Lost(LostReason::Cancelled(reason));
+        }
+    }
+    match outcome {
         Outcome::Exited(status) => {
             if let Some(sig) = status.signal() {
                 job::die_by(sig);
@@ -122,7 +135,10 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             Ok(exit_code(status))
         }
         Outcome::Lost(reason) => {
-            eprintln!("leasehold: {reason}; the command was stopped");
+            eprintln!(
+                "leasehold: {}; the command was stopped",
+                exit::one_line(&reason.to_string())
+            );
             Ok(match reason {
                 LostReason::Cancelled(_) => exit::CANCELLED,
                 _ => exit::LEASE_LOST,
@@ -136,6 +152,15 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             Ok(exit::LEASE_LOST)
         }
     }
+}
+
+/// The reason `task_id` was cancelled, if its marker says so. Bounded: Redis may be the reason
+/// the lease was lost, and then this is no news.
+async fn cancelled_meanwhile(quota: &Quota, task_id: &str) -> Option<String> {
+    tokio::time::timeout(Duration::from_secs(2), quota.cancel_reason(task_id))
+        .await
+        .ok()?
+        .ok()?
 }
 
 /// Releases `lease`, or says on stderr that it will expire instead.
@@ -163,15 +188,51 @@ async fn give_back_unclaimed(quota: &Quota, task_id: &str, generated: bool) {
     .await;
 }
 
+/// Waits for a slot as long as `wait` says (forever when `None`, one try when zero). Redis
+/// becoming unreachable during the wait does not end it: the holders ride out a short outage
+/// on their ttl, and a waiter that gave up at once would lose its place for nothing. It ends
+/// with exit 69 only when the wait runs out while Redis is still unreachable. (Redis
+/// unreachable at the start was already exit 69, at connect.)
 async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result<Lease, Failure> {
-    let result = match wait {
-        None => quota.acquire(task_id).await,
-        Some(d) if d.is_zero() => quota.try_acquire(task_id).await,
-        Some(d) => quota.acquire_timeout(task_id, d).await,
-    };
-    // `Full` and `TimedOut` map to exit 75 (no slot) and already name the quota.
-    result.map_err(Failure::from)
+    if wait.is_some_and(|d| d.is_zero()) {
+        // `Full` maps to exit 75 (no slot) and already names the quota.
+        return quota.try_acquire(task_id).await.map_err(Failure::from);
+    }
+    let until = wait.and_then(|d| Instant::now().checked_add(d));
+    let mut pause = OUTAGE_RETRY_FIRST;
+    let mut told = false;
+    loop {
+        let result = match until {
+            None => quota.acquire(task_id).await,
+            Some(until) => {
+                let left = until.saturating_duration_since(Instant::now());
+                quota.acquire_timeout(task_id, left).await
+            }
+        };
+        let down = match result {
+            Err(Error::BackendUnavailable(down)) => down,
+            // `TimedOut` maps to exit 75 (no slot), and names the quota.
+            other => return other.map_err(Failure::from),
+        };
+        if until.is_some_and(|until| Instant::now() + pause >= until) {
+            return Err(Error::BackendUnavailable(down).into());
+        }
+        if !told {
+            eprintln!(
+                "leasehold: Redis unavailable ({}); still waiting for a slot",
+                exit::one_line(&down)
+            );
+            told = true;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(OUTAGE_RETRY_MAX);
+    }
 }
+
+/// The pauses between acquires while Redis cannot be reached during a wait: short at first (a
+/// blip), then at most a second or two (the library short-circuits meanwhile anyway).
+const OUTAGE_RETRY_FIRST: Duration = Duration::from_millis(100);
+const OUTAGE_RETRY_MAX: Duration = Duration::from_secs(2);
 
 fn spawn(
     args: &RunArgs,
@@ -261,17 +322,26 @@ async fn supervise(
                 return Ok(Outcome::Lost(reason));
             }
         };
-        if stop && !suspend(job, lease).await {
+        if !stop {
+            continue;
+        }
+        if let Err(lost) = suspend(job, lease).await {
             terminate(child, job.pid, grace).await.map_err(wait_error)?;
-            return Ok(Outcome::StoppedTooLong);
+            // A lease can also be lost during a short stop (a cancel, a release by an
+            // operator): the stop is to blame only when it outlasted the local deadline.
+            return Ok(match lost {
+                Some(reason) if reason != LostReason::LocalDeadline => Outcome::Lost(reason),
+                _ => Outcome::StoppedTooLong,
+            });
         }
     }
 }
 
 /// Stops the whole job, command first, until the shell continues it; then continues the
-/// command if the lease is still held, and returns whether it is. Renewals stop meanwhile, so a
+/// command if the lease is still held. Otherwise returns why it is not (`None`: its local
+/// deadline passed, and the renewal task has not said so yet). Renewals stop meanwhile, so a
 /// long stop ends the lease and the command is not let run again.
-async fn suspend(job: &Job<'_>, lease: &Lease) -> bool {
+async fn suspend(job: &Job<'_>, lease: &Lease) -> Result<(), Option<LostReason>> {
     let already = job::is_stopped(job.pid);
     job::signal_group(job.pid, libc::SIGSTOP);
     if !already {
@@ -284,7 +354,7 @@ async fn suspend(job: &Job<'_>, lease: &Lease) -> bool {
     }
     job::stop_self();
     if !lease.is_held() {
-        return false;
+        return Err(lease.lost_reason());
     }
     if let Some(terminal) = job.terminal {
         // `fg` gave the terminal to our group: pass it on. After `bg` it is not ours, and the
@@ -294,7 +364,7 @@ async fn suspend(job: &Job<'_>, lease: &Lease) -> bool {
         }
     }
     job::signal_group(job.pid, libc::SIGCONT);
-    true
+    Ok(())
 }
 
 /// SIGTERM to the group, then SIGKILL after `grace` if the command is still there.

@@ -233,6 +233,34 @@ fn status_shows_holders_as_a_table_and_as_json() {
     );
 }
 
+/// A waiting run rides out a Redis pause shorter than the holders' ttl, as the holders do,
+/// instead of giving up with exit 69.
+#[test]
+fn a_waiting_run_keeps_waiting_through_a_short_redis_outage() {
+    let server = RedisServer::start();
+    let mut holder = spawn_holder(
+        &server,
+        "blip",
+        &["--limit", "1", "--ttl", "10s"],
+        "holder",
+        &["sleep", "4"],
+    );
+    let mut waiter = leasehold(&server.url(), "blip")
+        .args(["run", "--limit", "1", "--wait", "60s", "--", "true"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    server.pause();
+    std::thread::sleep(Duration::from_millis(2500));
+    server.resume();
+    assert_eq!(wait_exit(&mut holder, Duration::from_secs(20)), 0);
+    let code = wait_exit(&mut waiter, Duration::from_secs(20));
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut waiter.stderr.take().unwrap(), &mut said).unwrap();
+    assert_eq!(code, 0, "the waiter ran once the holder was done: {said}");
+}
+
 #[test]
 fn status_shows_the_quarantine_after_redis_lost_the_quota() {
     let server = RedisServer::start();
@@ -443,7 +471,8 @@ fn a_signal_while_waiting_leaves_no_late_admission_behind() {
 fn bad_input_is_refused_before_connecting() {
     let refused = format!("redis://127.0.0.1:{}/", free_port());
     let too_new = (leasehold::MAX_LIMIT_VERSION + 1).to_string();
-    let cases: [&[&str]; 7] = [
+    let long_reason = "r".repeat(leasehold::MAX_CANCEL_REASON_BYTES + 1);
+    let cases: [&[&str]; 8] = [
         &["run", "--limit", "0", "--", "true"],
         &[
             "run",
@@ -457,6 +486,7 @@ fn bad_input_is_refused_before_connecting() {
         &["run", "--limit", "1", "--ttl", "1ms", "--", "true"],
         &["run", "--limit", "1", "--task-id", "", "--", "true"],
         &["cancel", ""],
+        &["cancel", "t", "--reason", &long_reason],
         &["release", ""],
         &["--quota", "a{b", "status"],
     ];
@@ -497,6 +527,13 @@ fn errors_are_one_line_and_never_show_a_password() {
     assert_eq!(out.status.code(), Some(78), "{err}");
     assert!(!err.contains("s3cret"), "{err}");
     assert!(err.contains("admin:***@"), "{err}");
+    // A mistyped scheme: nothing tells the user-info apart, so all of it is hidden.
+    for url in ["redis//:s3cret@127.0.0.1:1/", "s3cret@127.0.0.1:1"] {
+        let out = run_cli(url, "q", ["status"]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(78), "{err}");
+        assert!(!err.contains("s3cret") && err.contains("***@"), "{err}");
+    }
 
     // Help shows that the variable exists, never its value.
     for help in [&["--help"][..], &["status", "-h"][..]] {

@@ -131,6 +131,33 @@ fn a_stop_of_the_run_stops_its_command_and_a_lease_lost_meanwhile_ends_it() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A cancel sent while the job is stopped (Ctrl-Z) is a cancel, exit 80, whether the stop was
+/// short or outlasted the lease: the lease's loss to the stop must not hide it (exit 79 would
+/// tell a wrapper the task is worth running again).
+#[test]
+fn a_task_cancelled_while_its_job_is_stopped_exits_80_after_a_short_or_a_long_stop() {
+    let server = RedisServer::start();
+    for (ttl, stop) in [("5s", 300), ("1s", 1500)] {
+        let quota = format!("cancel-stopped-{ttl}");
+        let dir = temp_dir("leasehold-supervision-cancel");
+        let (mut run, command) = ticking_run(&server, &quota, ttl, &dir);
+        signal(run.id() as i32, libc::SIGTSTP);
+        wait_state(run.id() as i32, "stopped", |s| s == Some('T'));
+        wait_state(command, "stopped", |s| s == Some('T'));
+        let cancelled = run_cli(&server.url(), &quota, ["cancel", "ticker"]);
+        assert_eq!(cancelled.status.code(), Some(0), "{}", stderr(&cancelled));
+        std::thread::sleep(Duration::from_millis(stop));
+        signal(run.id() as i32, libc::SIGCONT);
+        assert_eq!(
+            wait_exit(&mut run, Duration::from_secs(10)),
+            80,
+            "cancelled during a {stop} ms stop with ttl {ttl}"
+        );
+        wait_state(command, "gone", |s| s.is_none());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
 #[test]
 fn a_short_stop_of_the_command_stops_the_run_and_both_go_on_when_continued() {
     let server = RedisServer::start();
