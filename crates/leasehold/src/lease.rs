@@ -232,9 +232,17 @@ impl LeaseInner {
             }
             return false;
         }
+        // A release message is not checked against the backend (anyone allowed to publish on
+        // the channel can send one), so the lease may still be there after `ReleasedElsewhere`:
+        // the token-guarded release costs one call and can free nothing but this admission.
         let may_be_held = matches!(
             *self.lost.borrow(),
-            Some(LostReason::Released | LostReason::LocalDeadline | LostReason::Cancelled(_))
+            Some(
+                LostReason::Released
+                    | LostReason::LocalDeadline
+                    | LostReason::Cancelled(_)
+                    | LostReason::ReleasedElsewhere
+            )
         );
         // Whether another handle of this same admission owns the slot now is settled when the
         // release gets its task's turn (`Shared::release_in_backend`).
@@ -380,7 +388,8 @@ impl Lease {
 
     /// Releases the slot now. Idempotent: a second call does nothing and succeeds. After a loss
     /// it still sends the release when the backend may hold the lease (its local deadline passed,
-    /// or it was cancelled), and does nothing otherwise. The backend only removes the lease while
+    /// it was cancelled, or a release message said it was released elsewhere, which the backend
+    /// did not confirm), and does nothing otherwise. The backend only removes the lease while
     /// it still carries this fencing token, so a late release can never free someone else's slot.
     pub async fn release(&self) -> Result<()> {
         if !self.inner.claim_release() {

@@ -564,6 +564,37 @@ async fn a_refused_publish_does_not_fail_a_cancel_or_a_release_already_done() {
     drop(lease);
 }
 
+/// A release message is believed without asking Redis (it is the fast path), so one that is
+/// wrong (sent by hand, or by a buggy client) ends the holder's lease; the holder's own release
+/// must then still remove the lease, or its slot stays taken until it expires.
+#[tokio::test]
+async fn a_lease_ended_by_an_unconfirmed_release_message_is_still_released() {
+    let server = RedisServer::start();
+    let quota = quota_on(&server, "forged", 2, Duration::from_secs(30)).await;
+    let lease = quota.try_acquire("h").await.unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(5), || common::subscribers(
+            &server,
+            "leasehold:{forged}:events"
+        ) == 1)
+        .await
+    );
+    let payload = format!("released:{}:h", lease.fencing_token());
+    server.command(&["PUBLISH", "leasehold:{forged}:events", &payload]);
+    let reason = tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .unwrap();
+    assert_eq!(reason, LostReason::ReleasedElsewhere);
+    lease.release().await.unwrap();
+    assert_eq!(
+        server
+            .command(&["ZCARD", "leasehold:{forged}:leases"])
+            .as_int(),
+        Some(0),
+        "the slot is free at once, not one ttl later"
+    );
+}
+
 #[tokio::test]
 async fn names_with_colons_and_spaces_touch_only_their_own_keys() {
     let server = RedisServer::start();
