@@ -320,16 +320,21 @@ impl Quota {
     /// Like [`acquire`](Self::acquire), but gives up after `timeout` with [`Error::TimedOut`].
     /// Like `acquire`, it needs a Tokio runtime with its timer enabled.
     /// An attempt still in flight at that moment is not lost: if its late reply admits the task,
-    /// the slot is released in the background.
+    /// the slot is released in the background. A task that holds a lease in this process gets
+    /// that lease when the timeout passes before the backend confirmed it (a slow link), as it
+    /// does when the backend is down: never an error for a lease it holds.
     pub async fn acquire_timeout(&self, task_id: &str, timeout: Duration) -> Result<Lease> {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
         match tokio::time::timeout(timeout, self.wait_for_slot(task_id)).await {
             Ok(result) => result,
-            Err(_) => Err(Error::TimedOut {
-                quota: self.name().to_owned(),
-                waited: timeout,
-            }),
+            Err(_) => match self.shared.held_lease_of(task_id) {
+                Some(held) => Ok(Lease::from_inner(held)),
+                None => Err(Error::TimedOut {
+                    quota: self.name().to_owned(),
+                    waited: timeout,
+                }),
+            },
         }
     }
 

@@ -225,3 +225,33 @@ async fn two_callers_that_give_up_on_one_task_leave_its_slot_free() {
         "nobody holds `x` in this process, yet 1 s later the backend still has {holders:?}"
     );
 }
+
+/// A task held in this process, acquired again with a timeout shorter than the round trip: it
+/// gets its lease back, as it would with the backend down, not `TimedOut` for a lease it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_task_acquired_again_on_a_slow_link_gets_its_lease_not_a_timeout() {
+    let px = proxied(1, Duration::from_secs(10)).await;
+    let lease = px.quota.try_acquire("x").await.unwrap();
+    px.proxy
+        .set_latency_each_way(Duration::ZERO, Duration::from_millis(400));
+    let again = px
+        .quota
+        .acquire_timeout("x", Duration::from_millis(150))
+        .await
+        .unwrap();
+    assert_eq!(again.fencing_token(), lease.fencing_token());
+    // A task held nowhere here still times out.
+    let other = px
+        .quota
+        .acquire_timeout("y", Duration::from_millis(150))
+        .await;
+    assert!(
+        matches!(other, Err(leasehold::Error::TimedOut { .. })),
+        "{other:?}"
+    );
+    px.proxy
+        .set_latency_each_way(Duration::ZERO, Duration::ZERO);
+    drop((lease, again));
+    px.quota.flush().await;
+    assert!(px.direct.status().await.unwrap().holders.is_empty());
+}
