@@ -285,10 +285,11 @@ impl Lease {
 
     /// The fencing token of this admission: it increases with every admission in the quota, so
     /// a resource that can check it may reject a stale holder. Tokens are kept in Redis: if Redis
-    /// loses the quota's keys (a restart without persistence), they go on from the highest token
-    /// that a surviving holder re-registers, or from 1 if none does (after a quarantine of one
-    /// ttl; docs/PROTOCOL.md §8): a resource that keeps tokens across such a loss cannot rely on
-    /// them alone.
+    /// loses the quota's keys (a restart without persistence), they go on, after a quarantine of
+    /// one ttl, from the highest token that a surviving process has seen (it re-registers its
+    /// leases, and its first call after the loss raises the counter), or from 1 if no process
+    /// that saw one calls during the quarantine (docs/PROTOCOL.md §8): a resource that keeps
+    /// tokens across such a loss cannot rely on them alone.
     pub fn fencing_token(&self) -> u64 {
         self.inner.token
     }

@@ -22,6 +22,7 @@ conformance!(
     holder_learns_at_once_when_released_elsewhere,
     holder_learns_from_renewal_when_its_lease_vanished,
     dataset_loss_quarantines_admissions_while_holders_re_register,
+    tokens_after_a_loss_exceed_those_of_leases_that_ended_before_it,
     leases_of_two_handles_beating_out_of_phase_both_re_register_after_a_dataset_loss,
     forgotten_leases_re_register_only_up_to_the_stored_limit,
     each_renewal_sends_the_epoch_its_own_leases_were_confirmed_in,
@@ -261,6 +262,31 @@ async fn dataset_loss_quarantines_admissions_while_holders_re_register(fx: Fixtu
     );
     assert!(old.is_held());
     assert_eq!(quota.status().await.unwrap().holders.len(), 2);
+}
+
+/// Short tasks rarely live through a renewal, so after a loss nothing re-registers their tokens.
+/// The first call of a client from before the loss raises the fence to the highest token that
+/// client has seen: tokens do not start again at 1 under tokens a resource may remember.
+async fn tokens_after_a_loss_exceed_those_of_leases_that_ended_before_it(fx: Fixture) {
+    let quota = fx.quota(2, TTL);
+    let mut highest = 0;
+    for i in 0..5 {
+        let lease = quota.try_acquire(&format!("short-{i}")).await.unwrap();
+        highest = highest.max(lease.fencing_token());
+        lease.release().await.unwrap();
+    }
+    fx.wipe();
+    // The first call after the loss detects it (a quarantine) and carries the token seen.
+    assert!(matches!(
+        quota.try_acquire("after").await,
+        Err(Error::Full { .. })
+    ));
+    let after = quota.acquire_timeout("after", TTL * 3).await.unwrap();
+    assert!(
+        after.fencing_token() > highest,
+        "token {} after the loss, {highest} issued before it",
+        after.fencing_token()
+    );
 }
 
 async fn leases_of_two_handles_beating_out_of_phase_both_re_register_after_a_dataset_loss(
@@ -1825,13 +1851,14 @@ async fn a_lease_re_registered_after_a_dataset_loss_is_answered_cancelled(fx: Fi
         .unwrap();
     assert_eq!(again.outcomes, [RenewOutcome::Gone]);
     // After the quarantine (one ttl from the first stale renewal), the next token is the one
-    // above the re-registered token: the cancelled re-registration raised `fence` too.
+    // above every token this client saw before the loss (b's 4: its stale call raised `fence`
+    // to it), so above the re-registered 3 as well.
     tokio::time::sleep(TTL + Duration::from_millis(50)).await;
     let after = fx.backend.snapshot(&keys).await.unwrap();
     assert_eq!(after.quarantine_left_ms, 0, "{after:?}");
     let c = fx.backend.acquire(&keys, "c", TTL, 1).await.unwrap();
     assert!(
-        matches!(&c, AcquireReply::Acquired(r) if r.token == a.token + 1),
+        matches!(&c, AcquireReply::Acquired(r) if r.token == b.token + 1),
         "{c:?}"
     );
 }

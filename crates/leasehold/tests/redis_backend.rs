@@ -751,8 +751,8 @@ fn eval_acquire(
     );
     let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
     args.extend(keys.iter().map(String::as_str));
-    // No epoch (so no seq seen in it); limit version 0.
-    args.extend([ttl.as_str(), limit.as_str(), "", "0", "0"]);
+    // No epoch (so no seq seen in it); limit version 0; no token seen.
+    args.extend([ttl.as_str(), limit.as_str(), "", "0", "0", "0"]);
     args.extend(ids);
     server.command(&args)
 }

@@ -36,6 +36,9 @@ struct Epochs {
     next: u64,
     store: Option<u64>,
     seen: String,
+    /// The highest fencing token the client has seen, in any epoch (client side: kept by a
+    /// wipe); a stale call raises the store's fence to it.
+    highest_token: u64,
     loss_detected: bool,
     quarantine_until_ms: u64,
 }
@@ -185,7 +188,9 @@ impl Backend for MemoryBackend {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
             let seen = std::mem::take(&mut q.epochs.seen);
-            q.epochs.check(&seen, now, ttl_ms);
+            if q.epochs.check(&seen, now, ttl_ms) {
+                q.fence = q.fence.max(q.epochs.highest_token);
+            }
             q.epochs.seen = q.epochs.id();
             // Settled first, as the script does once per call: whatever the answer, a higher
             // version is stored, and cancelled or held ids are answered whatever the limits say.
@@ -198,6 +203,7 @@ impl Backend for MemoryBackend {
             }
             if let Some(s) = q.leases.get_mut(task_id) {
                 s.deadline_ms = s.deadline_ms.max(now + ttl_ms);
+                q.epochs.highest_token = q.epochs.highest_token.max(s.token);
                 return AcquireReply::Held(record(task_id, *s, now, q.epochs.id()));
             }
             let limit = match settled {
@@ -217,6 +223,7 @@ impl Backend for MemoryBackend {
                     deadline_ms: now + ttl_ms,
                 };
                 q.leases.insert(task_id.to_owned(), s);
+                q.epochs.highest_token = q.epochs.highest_token.max(s.token);
                 return AcquireReply::Acquired(record(task_id, s, now, q.epochs.id()));
             }
             let earliest = q.leases.values().map(|s| s.deadline_ms).min();
@@ -236,7 +243,12 @@ impl Backend for MemoryBackend {
     ) -> Result<RenewReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
+            let sent = leases.iter().map(|(_, token)| *token).max().unwrap_or(0);
+            q.epochs.highest_token = q.epochs.highest_token.max(sent);
             let stale = q.epochs.check(epoch, now, ttl_ms);
+            if stale {
+                q.fence = q.fence.max(q.epochs.highest_token);
+            }
             let reregister = stale && q.epochs.quarantine_until_ms > now;
             q.epochs.seen = q.epochs.id();
             let outcomes = leases

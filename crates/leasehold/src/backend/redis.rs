@@ -89,9 +89,10 @@ struct Inner {
     db: i64,
     /// Held by the subscribe in progress, and by a rebuild while it resubscribes.
     subscribing: tokio::sync::Mutex<()>,
-    /// Quota name -> the latest epoch any reply reported, and the highest seq seen in it: what
-    /// acquire sends, so the server can tell that it lost the quota's state, all of it or its
-    /// latest writes (protocol, "Dataset loss"). Renewals send their leases' own epoch instead.
+    /// Quota name -> the latest epoch any reply reported, the highest seq seen in it, and the
+    /// highest fencing token seen: what acquire sends, so the server can tell that it lost the
+    /// quota's state, all of it or its latest writes, and issue tokens above the lost ones
+    /// (protocol, "Dataset loss"). Renewals send their leases' own epoch instead.
     epochs: Mutex<HashMap<String, SeenEpoch>>,
     /// Admission attempts that share script calls: per quota, then per (ttl in ms, limit and
     /// limit version).
@@ -653,6 +654,9 @@ fn lease_record(
 struct SeenEpoch {
     id: String,
     seq: u64,
+    /// The highest fencing token of the quota seen in a reply or sent in a renewal, in any
+    /// epoch: a new epoch keeps it, since tokens issued after a loss must exceed it.
+    highest_token: u64,
 }
 
 /// What a reply's epoch told about the one tracked.
@@ -713,6 +717,14 @@ impl RedisBackend {
             .map_or(0, |seen| seen.seq)
     }
 
+    /// Takes in fencing tokens of `quota` seen in a reply or sent in a renewal.
+    fn saw_tokens(&self, quota: &str, tokens: impl IntoIterator<Item = u64>) {
+        let highest = tokens.into_iter().max().unwrap_or(0);
+        let mut epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
+        let known = epochs.entry(quota.to_owned()).or_default();
+        known.highest_token = known.highest_token.max(highest);
+    }
+
     /// Records the epoch and seq a reply reported, and returns the epoch.
     fn saw_epoch(&self, quota: &str, epoch: Option<&Value>, seq: Option<&Value>) -> Result<String> {
         let epoch = text(epoch)?;
@@ -738,10 +750,12 @@ impl RedisBackend {
         epoch: &str,
         leases: &[(String, u64)],
     ) -> Result<RenewReply> {
-        let mut args = Vec::with_capacity(3 + 2 * leases.len());
+        self.saw_tokens(&keys.name, leases.iter().map(|(_, token)| *token));
+        let mut args = Vec::with_capacity(4 + 2 * leases.len());
         args.push(ttl.as_millis().to_string());
         args.push(epoch.to_owned());
         args.push(self.seen_seq(&keys.name, epoch).to_string());
+        args.push(self.seen_epoch(&keys.name).highest_token.to_string());
         for (id, token) in leases {
             args.push(id.clone());
             args.push(token.to_string());
@@ -805,13 +819,14 @@ impl RedisBackend {
         ]);
         script_keys.extend(ids.iter().map(|id| keys.cancel(id)));
         let seen = self.seen_epoch(&keys.name);
-        let mut args = Vec::with_capacity(5 + ids.len());
+        let mut args = Vec::with_capacity(6 + ids.len());
         args.extend([
             ttl.as_millis().to_string(),
             limit.limit.to_string(),
             seen.id,
             limit.version.to_string(),
             seen.seq.to_string(),
+            seen.highest_token.to_string(),
         ]);
         args.extend(ids.iter().cloned());
         let reply = self
@@ -853,6 +868,13 @@ impl RedisBackend {
                 other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
             })
             .collect::<Result<Vec<_>>>()?;
+        self.saw_tokens(
+            &keys.name,
+            answers.iter().filter_map(|answer| match answer {
+                AcquireReply::Acquired(lease) | AcquireReply::Held(lease) => Some(lease.token),
+                _ => None,
+            }),
+        );
         Ok(answers)
     }
 

@@ -5,7 +5,8 @@
 -- KEYS[7+k] the cancel marker of the k-th task id
 -- ARGV[1] ttl ms   ARGV[2] limit   ARGV[3] the epoch the caller last saw, or ''   ARGV[4] limit version
 -- ARGV[5] the highest seq the caller saw in that epoch, or 0
--- ARGV[5+k] the k-th task id (at least one, at most 1000)
+-- ARGV[6] the highest fencing token the caller has seen in this quota, in any epoch, or 0
+-- ARGV[6+k] the k-th task id (at least one, at most 1000)
 -- Reply: {epoch, now_ms, seq, then four values per task id, in argument order}:
 --   1, token, acquired_ms, deadline_ms   acquired (a new admission)
 --   2, token, acquired_ms, deadline_ms   held (this id already held a lease; extended)
@@ -67,6 +68,12 @@ end
 if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
   redis.call('SET', KEYS[5], epoch, 'PX', ttl)
 end
+-- A caller from before the loss raises the fence to the highest token it has seen, so that the
+-- tokens issued from now on exceed those too, not only the re-registered ones (a holder that
+-- finished before the loss never re-registers its token). Same in renew.lua.
+if stale and tonumber(ARGV[6]) > tonumber(redis.call('GET', KEYS[3]) or '0') then
+  redis.call('SET', KEYS[3], ARGV[6])
+end
 local extended = false
 
 -- Reap expired leases and their metadata; no janitor runs anywhere else.
@@ -93,8 +100,8 @@ else
   limit = stored_limit
 end
 
-local n = #ARGV - 5
-local ids = {unpack(ARGV, 6, 5 + n)}
+local n = #ARGV - 6
+local ids = {unpack(ARGV, 7, 6 + n)}
 local markers = redis.call('MGET', unpack(KEYS, 8, 7 + n))
 local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
 local metas = {}

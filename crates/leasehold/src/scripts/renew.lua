@@ -3,7 +3,8 @@
 -- KEYS[6] limit   KEYS[6+k] cancel marker of the k-th task id
 -- ARGV[1] ttl ms   ARGV[2] the epoch the renewed leases were last confirmed in, or ''
 -- ARGV[3] the highest seq the caller saw in that epoch, or 0
--- then pairs: ARGV[2k+2] task id, ARGV[2k+3] fencing token
+-- ARGV[4] the highest fencing token the caller has seen in this quota, in any epoch, or 0
+-- then pairs: ARGV[2k+3] task id, ARGV[2k+4] fencing token
 -- Reply: {now_ms, epoch, seq, code_1, value_1, code_2, value_2, ...} in argument order, where
 --   code 1 = renewed (value = new deadline), 0 = gone, 2 = superseded (another token holds it),
 --   3 = cancelled (value = the reason; the lease is still held but not extended).
@@ -56,6 +57,10 @@ end
 if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
   redis.call('SET', KEYS[5], epoch, 'PX', ttl)
 end
+-- As in acquire.lua: tokens issued from now on exceed every token this caller has seen.
+if stale and tonumber(ARGV[4]) > tonumber(redis.call('GET', KEYS[3]) or '0') then
+  redis.call('SET', KEYS[3], ARGV[4])
+end
 local reregister = stale and redis.call('PTTL', KEYS[5]) > 0
 -- Slots left for re-registered leases: nil while no limit is stored (it was lost too).
 local room
@@ -67,7 +72,7 @@ end
 local out = {now, epoch, seq}
 local changed = false
 local k = 0
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   k = k + 1
   local id, token = ARGV[i], ARGV[i + 1]
   local score = redis.call('ZSCORE', KEYS[1], id)
