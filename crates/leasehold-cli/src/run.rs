@@ -211,7 +211,9 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
         };
         let down = match result {
             Err(Error::BackendUnavailable(down)) => down,
-            // `TimedOut` maps to exit 75 (no slot), and names the quota.
+            Err(Error::TimedOut { .. }) => {
+                return Err(ran_out(quota, wait.unwrap_or_default(), told).await);
+            }
             other => return other.map_err(Failure::from),
         };
         if until.is_some_and(|until| Instant::now() + pause >= until) {
@@ -228,6 +230,34 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
         pause = (pause * 2).min(OUTAGE_RETRY_MAX);
     }
 }
+
+/// The failure of a `--wait` that ran out: no slot (exit 75, naming the whole wait), unless
+/// Redis was unreachable during the wait and still is: the attempt that was out when the wait
+/// ran out was then waiting for Redis, not for a slot (exit 69). One quick look tells which.
+async fn ran_out(quota: &Quota, wait: Duration, outage_seen: bool) -> Failure {
+    if outage_seen {
+        let unreachable = match tokio::time::timeout(STILL_DOWN_CHECK, quota.status()).await {
+            Err(_) => Some(format!("no answer within {STILL_DOWN_CHECK:?}")),
+            Ok(Err(Error::BackendUnavailable(down))) => Some(down),
+            Ok(_) => None,
+        };
+        if let Some(down) = unreachable {
+            return Error::BackendUnavailable(format!(
+                "still unreachable when --wait {} ran out ({down})",
+                humantime::format_duration(wait)
+            ))
+            .into();
+        }
+    }
+    Error::TimedOut {
+        quota: quota.name().to_owned(),
+        waited: wait,
+    }
+    .into()
+}
+
+/// How long the look at Redis after a wait that saw an outage may take.
+const STILL_DOWN_CHECK: Duration = Duration::from_millis(500);
 
 /// The pauses between acquires while Redis cannot be reached during a wait: short at first (a
 /// blip), then at most a second or two (the library short-circuits meanwhile anyway).

@@ -261,6 +261,54 @@ fn a_waiting_run_keeps_waiting_through_a_short_redis_outage() {
     assert_eq!(code, 0, "the waiter ran once the holder was done: {said}");
 }
 
+/// A wait that runs out while Redis still does not answer (paused, as a partition looks) is
+/// Redis unavailable, exit 69, even when the attempt out at that moment was waiting on its call
+/// timeout; once Redis answers again, a full quota is exit 75 naming the whole wait.
+#[test]
+fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
+    let server = RedisServer::start();
+    let mut holder = spawn_holder(
+        &server,
+        "paused",
+        &["--limit", "1", "--ttl", "30s"],
+        "holder",
+        &["sleep", "30"],
+    );
+    let waiter = |wait: &str| {
+        leasehold(&server.url(), "paused")
+            .args(["run", "--limit", "1", "--wait", wait, "--", "true"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let said = |child: &mut Child| {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut text).unwrap();
+        text
+    };
+    for wait in ["2s", "3300ms"] {
+        let mut run = waiter(wait);
+        std::thread::sleep(Duration::from_millis(300));
+        server.pause();
+        let code = wait_exit(&mut run, Duration::from_secs(20));
+        server.resume();
+        let text = said(&mut run);
+        assert_eq!(code, 69, "--wait {wait}: {text}");
+        assert!(text.contains("ran out"), "{text}");
+    }
+    let mut run = waiter("1s");
+    std::thread::sleep(Duration::from_millis(200));
+    server.pause();
+    std::thread::sleep(Duration::from_millis(400));
+    server.resume();
+    let code = wait_exit(&mut run, Duration::from_secs(20));
+    let text = said(&mut run);
+    assert_eq!(code, 75, "{text}");
+    assert!(text.contains("within 1s"), "{text}");
+    let _ = holder.kill();
+    let _ = holder.wait();
+}
+
 #[test]
 fn status_shows_the_quarantine_after_redis_lost_the_quota() {
     let server = RedisServer::start();

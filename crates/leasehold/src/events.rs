@@ -36,7 +36,10 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
                 // A waiter for that task must learn it too: its next attempt says so.
                 shared.recheck_task(&task_id);
             }
-            Ok(QuotaEvent::Resubscribed) | Err(RecvError::Lagged(_)) => shared.recheck_all(),
+            Ok(QuotaEvent::Resubscribed) | Err(RecvError::Lagged(_)) => {
+                shared.recheck_all();
+                shared.recheck_local_cancels();
+            }
             Err(RecvError::Closed) => {
                 shared.stopped_listening();
                 return;

@@ -390,7 +390,8 @@ impl Lease {
     /// Releases the slot now. Idempotent: a second call does nothing and succeeds. After a loss
     /// it still sends the release when the backend may hold the lease (its local deadline passed,
     /// it was cancelled, or a release message said it was released elsewhere, which the backend
-    /// did not confirm), and does nothing otherwise. The backend only removes the lease while
+    /// did not confirm), and does nothing otherwise. When it sends, a failure of that call is
+    /// returned (and a later `release` may try again). The backend only removes the lease while
     /// it still carries this fencing token, so a late release can never free someone else's slot.
     pub async fn release(&self) -> Result<()> {
         if !self.inner.claim_release() {

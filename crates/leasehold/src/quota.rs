@@ -810,6 +810,30 @@ impl Shared {
             .wake_all_starting(|task_id| self.start_attempt_for(task_id, true));
     }
 
+    /// Reads the cancel markers of the local leases held: a cancel message sent while nothing
+    /// listened went unheard, and a local lease learns of a cancel only by message (it is never
+    /// renewed). One call per local lease; they exist only around outages.
+    pub(crate) fn recheck_local_cancels(self: &Arc<Self>) {
+        // Upgraded under the lock, dropped after it: the drop of a lease that is over comes
+        // back to this map.
+        let held: Vec<Arc<LeaseInner>> = {
+            let local = self.admissions.local();
+            local.values().filter_map(Weak::upgrade).collect()
+        };
+        for lease in held.into_iter().filter(|l| !l.is_over()) {
+            let shared = self.clone();
+            let task_id = lease.task_id.clone();
+            // Weak: a lease dropped while its marker is read is released at once.
+            let lease = Arc::downgrade(&lease);
+            runtime::spawn(async move {
+                let marker = shared.backend.cancel_reason(&shared.keys, &task_id).await;
+                if let (Ok(Some(reason)), Some(lease)) = (marker, lease.upgrade()) {
+                    lease.mark_lost(LostReason::Cancelled(reason));
+                }
+            });
+        }
+    }
+
     /// Wakes the waiters of `task_id` only: it was cancelled, and its next attempt says so.
     pub(crate) fn recheck_task(&self, task_id: &str) {
         self.waiters.wake_task(task_id);
@@ -930,8 +954,10 @@ impl Shared {
                     });
                     // Releases announced before this subscription went unheard, and no
                     // confirmation may come to say so (a channel another handle already
-                    // subscribed, the memory backend): every waiter checks again now.
+                    // subscribed, the memory backend): every waiter checks again now, and so
+                    // does every local lease, for a cancel.
                     self.recheck_all();
+                    self.recheck_local_cancels();
                 }
             }
             Err(e) => tracing::debug!(quota = %self.keys.name, error = %e,
@@ -986,7 +1012,8 @@ impl Shared {
         let took = self
             .admissions
             .local_held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            // SeqCst: see `listen_while_local_leases_live`.
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |held| {
                 (held < share).then_some(held + 1)
             })
             .is_ok();
@@ -1010,7 +1037,9 @@ impl Shared {
     /// renewed). So while any is held, the subscription is retried until it is in place, and
     /// again whenever it drops.
     fn listen_while_local_leases_live(self: &Arc<Self>) {
-        if !self.config.events || self.watching_local.swap(true, Ordering::AcqRel) {
+        // SeqCst on both sides: the grant's increment then swap, and the watcher's store then
+        // load, must not both read the old value, or nobody would watch.
+        if !self.config.events || self.watching_local.swap(true, Ordering::SeqCst) {
             return;
         }
         let shared = Arc::downgrade(self);
@@ -1018,16 +1047,22 @@ impl Shared {
         runtime::spawn(async move {
             loop {
                 let Some(this) = shared.upgrade() else { return };
-                if this.admissions.local_held.load(Ordering::Acquire) == 0 {
-                    this.watching_local.store(false, Ordering::Release);
+                if this.admissions.local_held.load(Ordering::SeqCst) == 0 {
+                    this.watching_local.store(false, Ordering::SeqCst);
                     // A lease granted just before the flag went down found it up and left the
                     // watching to this task.
-                    if this.admissions.local_held.load(Ordering::Acquire) == 0
-                        || this.watching_local.swap(true, Ordering::AcqRel)
+                    if this.admissions.local_held.load(Ordering::SeqCst) == 0
+                        || this.watching_local.swap(true, Ordering::SeqCst)
                     {
                         return;
                     }
                 }
+                // This task's own tick spaces its attempts: the spacing of waiters' attempts
+                // after a failure would skip every other tick.
+                *this
+                    .subscribe_failed_at
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = None;
                 this.listen_in_background();
                 drop(this);
                 tokio::select! {

@@ -322,3 +322,30 @@ async fn a_local_lease_granted_before_the_first_subscription_hears_a_cancel() {
         "{heard:?}"
     );
 }
+
+/// A cancel sent after Redis came back but before the quota subscribed again went unheard: on
+/// subscribing, the quota reads the markers of its local leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_sent_before_the_local_leases_quota_subscribed_again_is_heard() {
+    let mut server = RedisServer::start();
+    let quota = quota(&server, "cancel-unheard", BackendDownPolicy::FailOpen).await;
+    server.kill();
+    open_the_circuit(&quota).await;
+    let lease = quota.try_acquire("job").await.unwrap();
+    assert!(lease.is_local());
+    server.restart();
+    let operator = Quota::builder("cancel-unheard")
+        .limit(2)
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    let channel = "leasehold:{cancel-unheard}:events";
+    operator.cancel("job", "operator stop").await.unwrap();
+    let unheard = subscribers(&server, channel) == 0;
+    let heard = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
+    assert_eq!(
+        heard,
+        Ok(leasehold::LostReason::Cancelled("operator stop".into())),
+        "message unheard: {unheard}"
+    );
+}

@@ -267,18 +267,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 }
 
 /// Parses the payload of a message on a quota's channel (protocol v1, see docs/PROTOCOL.md).
+/// A payload that does not parse exactly is ignored, as the protocol asks of every client.
 pub(crate) fn parse_event(payload: &str) -> Option<QuotaEvent> {
     if let Some(rest) = payload.strip_prefix("released:") {
         let (token, task_id) = rest.split_once(':')?;
         return Some(QuotaEvent::Released {
             task_id: task_id.to_owned(),
-            token: token.parse().ok()?,
+            token: decimal(token)?,
         });
     }
     // cancelled:<byte length of the task id>:<task id>:<reason>
     let rest = payload.strip_prefix("cancelled:")?;
     let (len, rest) = rest.split_once(':')?;
-    let len: usize = len.parse().ok()?;
+    let len = usize::try_from(decimal(len)?).ok()?;
     let task_id = rest.get(..len)?;
     let reason = rest.get(len..)?.strip_prefix(':')?;
     Some(QuotaEvent::Cancelled {
@@ -287,9 +288,42 @@ pub(crate) fn parse_event(payload: &str) -> Option<QuotaEvent> {
     })
 }
 
+/// A decimal integer of digits only: `str::parse` would also take a sign (`+5`).
+fn decimal(text: &str) -> Option<u64> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn payloads_that_do_not_parse_exactly_are_ignored() {
+        for payload in [
+            "released:+5:t",
+            "released:-5:t",
+            "released: 5:t",
+            "released::t",
+            "released:5",
+            "cancelled:+1:t:why",
+            "cancelled:1:tx",
+            "cancelled:9:t:why",
+            "cancelled::t:why",
+            "other:1:t",
+        ] {
+            assert_eq!(parse_event(payload), None, "{payload}");
+        }
+        assert_eq!(
+            parse_event("cancelled:1:t:"),
+            Some(QuotaEvent::Cancelled {
+                task_id: "t".into(),
+                reason: String::new()
+            })
+        );
+    }
 
     #[test]
     fn release_event_round_trips_ids_with_colons() {
