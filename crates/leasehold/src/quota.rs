@@ -32,6 +32,13 @@ use crate::{admissions, heartbeat, runtime};
 /// of them while another holds it gets that same lease. It ends when any of its handles
 /// releases it, or when the last of them is dropped.
 ///
+/// The operator's calls ([`status`](Self::status), [`cancel`](Self::cancel),
+/// [`cancel_reason`](Self::cancel_reason), [`force_release`](Self::force_release),
+/// [`set_limit`](Self::set_limit), which takes its own) do not use the handle's limit: an
+/// operator's tool that does not know the fleet's limit may build its handle with any valid one
+/// (say 1), and reads the stored limit from [`Status::stored_limit`]. Only acquires send it.
+/// Give it the fleet's ttl, though: a cancel marker is kept for one hour plus the ttl.
+///
 /// ```
 /// # #[tokio::main] async fn main() -> leasehold::Result<()> {
 /// use std::time::Duration;
