@@ -212,11 +212,13 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
         let down = match result {
             Err(Error::BackendUnavailable(down)) => down,
             Err(Error::TimedOut { .. }) => {
-                return Err(ran_out(quota, wait.unwrap_or_default(), told).await);
+                return Err(ran_out(quota, wait.unwrap_or_default()).await);
             }
             other => return other.map_err(Failure::from),
         };
-        if until.is_some_and(|until| Instant::now() + pause >= until) {
+        let left = until.map(|until| until.saturating_duration_since(Instant::now()));
+        if left.is_some_and(|left| left.is_zero()) {
+            // This attempt was the last, and Redis did not answer it.
             return Err(Error::BackendUnavailable(down).into());
         }
         if !told {
@@ -226,38 +228,41 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
             );
             told = true;
         }
-        tokio::time::sleep(pause).await;
+        tokio::time::sleep(left.map_or(pause, |left| left.min(pause))).await;
+        if until.is_some_and(|until| Instant::now() >= until) {
+            return Err(ran_out(quota, wait.unwrap_or_default()).await);
+        }
         pause = (pause * 2).min(OUTAGE_RETRY_MAX);
     }
 }
 
 /// The failure of a `--wait` that ran out: no slot (exit 75, naming the whole wait), unless
-/// Redis was unreachable during the wait and still is: the attempt that was out when the wait
-/// ran out was then waiting for Redis, not for a slot (exit 69). One quick look tells which.
-async fn ran_out(quota: &Quota, wait: Duration, outage_seen: bool) -> Failure {
-    if outage_seen {
-        let unreachable = match tokio::time::timeout(STILL_DOWN_CHECK, quota.status()).await {
-            Err(_) => Some(format!("no answer within {STILL_DOWN_CHECK:?}")),
-            Ok(Err(Error::BackendUnavailable(down))) => Some(down),
-            Ok(_) => None,
-        };
-        if let Some(down) = unreachable {
-            return Error::BackendUnavailable(format!(
-                "still unreachable when --wait {} ran out ({down})",
-                humantime::format_duration(wait)
-            ))
-            .into();
+/// Redis does not answer: the attempt out when the wait ran out may then have been waiting for
+/// Redis, not for a slot (exit 69). One look tells which: a round trip when Redis answers, at
+/// most [`STILL_DOWN_CHECK`] when it does not.
+async fn ran_out(quota: &Quota, wait: Duration) -> Failure {
+    let unreachable = match tokio::time::timeout(STILL_DOWN_CHECK, quota.status()).await {
+        Err(_) => Some(format!("no answer within {STILL_DOWN_CHECK:?}")),
+        Ok(Err(Error::BackendUnavailable(down))) => Some(down),
+        Ok(_) => None,
+    };
+    match unreachable {
+        Some(down) => Error::BackendUnavailable(format!(
+            "Redis unreachable when --wait {} ran out ({down})",
+            humantime::format_duration(wait)
+        ))
+        .into(),
+        None => Error::TimedOut {
+            quota: quota.name().to_owned(),
+            waited: wait,
         }
+        .into(),
     }
-    Error::TimedOut {
-        quota: quota.name().to_owned(),
-        waited: wait,
-    }
-    .into()
 }
 
-/// How long the look at Redis after a wait that saw an outage may take.
-const STILL_DOWN_CHECK: Duration = Duration::from_millis(500);
+/// How long the look at Redis when a wait ran out may take: longer than a call timeout (1 s by
+/// default) and than a reconnection to a Redis that just came back, which takes about 1.4 s.
+const STILL_DOWN_CHECK: Duration = Duration::from_secs(2);
 
 /// The pauses between acquires while Redis cannot be reached during a wait: short at first (a
 /// blip), then at most a second or two (the library short-circuits meanwhile anyway).

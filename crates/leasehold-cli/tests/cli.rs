@@ -261,8 +261,8 @@ fn a_waiting_run_keeps_waiting_through_a_short_redis_outage() {
     assert_eq!(code, 0, "the waiter ran once the holder was done: {said}");
 }
 
-/// A wait that runs out while Redis still does not answer (paused, as a partition looks) is
-/// Redis unavailable, exit 69, even when the attempt out at that moment was waiting on its call
+/// A wait that runs out while Redis does not answer (paused, as a partition looks) is Redis
+/// unavailable, exit 69, even when the attempt out at that moment was still waiting on its call
 /// timeout; once Redis answers again, a full quota is exit 75 naming the whole wait.
 #[test]
 fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
@@ -286,9 +286,11 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
         std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut text).unwrap();
         text
     };
-    for wait in ["2s", "3300ms"] {
+    // Paused early in the wait, and within its last call timeout (no attempt failed before the
+    // wait ran out).
+    for (wait, pause_after) in [("2s", 300), ("3s", 2300)] {
         let mut run = waiter(wait);
-        std::thread::sleep(Duration::from_millis(300));
+        std::thread::sleep(Duration::from_millis(pause_after));
         server.pause();
         let code = wait_exit(&mut run, Duration::from_secs(20));
         server.resume();

@@ -288,8 +288,9 @@ impl Lease {
     /// loses the quota's keys (a restart without persistence), they go on, after a quarantine of
     /// one ttl, from the highest token that a surviving process has seen (it re-registers its
     /// leases, and its first call after the loss raises the counter), or from 1 if no process
-    /// that saw one calls during the quarantine (docs/PROTOCOL.md §8): a resource that keeps
-    /// tokens across such a loss cannot rely on them alone.
+    /// that saw one, and still has a handle of the quota, calls during the quarantine
+    /// (docs/PROTOCOL.md §8): a resource that keeps tokens across such a loss cannot rely on
+    /// them alone.
     pub fn fencing_token(&self) -> u64 {
         self.inner.token
     }

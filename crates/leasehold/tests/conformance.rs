@@ -23,6 +23,7 @@ conformance!(
     holder_learns_from_renewal_when_its_lease_vanished,
     dataset_loss_quarantines_admissions_while_holders_re_register,
     tokens_after_a_loss_exceed_those_of_leases_that_ended_before_it,
+    a_token_only_sent_in_a_renewal_does_not_raise_the_fence_after_a_loss,
     leases_of_two_handles_beating_out_of_phase_both_re_register_after_a_dataset_loss,
     forgotten_leases_re_register_only_up_to_the_stored_limit,
     each_renewal_sends_the_epoch_its_own_leases_were_confirmed_in,
@@ -282,10 +283,37 @@ async fn tokens_after_a_loss_exceed_those_of_leases_that_ended_before_it(fx: Fix
         Err(Error::Full { .. })
     ));
     let after = quota.acquire_timeout("after", TTL * 3).await.unwrap();
+    assert_eq!(
+        after.fencing_token(),
+        highest + 1,
+        "the next token after the loss, {highest} issued before it"
+    );
+}
+
+/// PROTOCOL §6 duty 12: only tokens acquire replies gave count as seen. A renewal with a wrong
+/// token (answered superseded) must not make the fence jump to it after a loss.
+async fn a_token_only_sent_in_a_renewal_does_not_raise_the_fence_after_a_loss(fx: Fixture) {
+    let keys = fx.keys();
+    let a = admit(&fx, &keys, "a", TTL, 2).await;
+    let wrong = fx
+        .backend
+        .renew(&keys, TTL, &a.epoch, &[("a".into(), 1000)])
+        .await
+        .unwrap();
+    assert_eq!(wrong.outcomes, [RenewOutcome::Superseded]);
+    assert!(fx.backend.release(&keys, "a", Some(a.token)).await.unwrap());
+    fx.wipe();
+    // The first call after the loss is stale: a quarantine, and the fence raised to `a`'s token.
+    let first = fx.backend.acquire(&keys, "b", TTL, 2).await.unwrap();
     assert!(
-        after.fencing_token() > highest,
-        "token {} after the loss, {highest} issued before it",
-        after.fencing_token()
+        matches!(first, AcquireReply::Quarantined { .. }),
+        "{first:?}"
+    );
+    tokio::time::sleep(TTL + Duration::from_millis(50)).await;
+    let c = fx.backend.acquire(&keys, "c", TTL, 2).await.unwrap();
+    assert!(
+        matches!(&c, AcquireReply::Acquired(r) if r.token == a.token + 1),
+        "{c:?}"
     );
 }
 

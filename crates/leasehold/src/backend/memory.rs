@@ -36,8 +36,8 @@ struct Epochs {
     next: u64,
     store: Option<u64>,
     seen: String,
-    /// The highest fencing token the client has seen, in any epoch (client side: kept by a
-    /// wipe); a stale call raises the store's fence to it.
+    /// The highest fencing token acquire replies gave the client, in any epoch (client side:
+    /// kept by a wipe); a stale call raises the store's fence to it.
     highest_token: u64,
     loss_detected: bool,
     quarantine_until_ms: u64,
@@ -243,8 +243,6 @@ impl Backend for MemoryBackend {
     ) -> Result<RenewReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
-            let sent = leases.iter().map(|(_, token)| *token).max().unwrap_or(0);
-            q.epochs.highest_token = q.epochs.highest_token.max(sent);
             let stale = q.epochs.check(epoch, now, ttl_ms);
             if stale {
                 q.fence = q.fence.max(q.epochs.highest_token);

@@ -654,8 +654,9 @@ fn lease_record(
 struct SeenEpoch {
     id: String,
     seq: u64,
-    /// The highest fencing token of the quota seen in a reply or sent in a renewal, in any
-    /// epoch: a new epoch keeps it, since tokens issued after a loss must exceed it.
+    /// The highest fencing token of the quota an acquire reply gave, in any epoch: a new epoch
+    /// keeps it, since tokens issued after a loss must exceed it. (Not the tokens a renewal
+    /// sends: `Backend::renew` is public, and a wrong token must not raise the fence.)
     highest_token: u64,
 }
 
@@ -717,7 +718,7 @@ impl RedisBackend {
             .map_or(0, |seen| seen.seq)
     }
 
-    /// Takes in fencing tokens of `quota` seen in a reply or sent in a renewal.
+    /// Takes in fencing tokens of `quota` that acquire replies gave.
     fn saw_tokens(&self, quota: &str, tokens: impl IntoIterator<Item = u64>) {
         let highest = tokens.into_iter().max().unwrap_or(0);
         let mut epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
@@ -750,7 +751,6 @@ impl RedisBackend {
         epoch: &str,
         leases: &[(String, u64)],
     ) -> Result<RenewReply> {
-        self.saw_tokens(&keys.name, leases.iter().map(|(_, token)| *token));
         let mut args = Vec::with_capacity(4 + 2 * leases.len());
         args.push(ttl.as_millis().to_string());
         args.push(epoch.to_owned());
