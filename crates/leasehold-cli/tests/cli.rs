@@ -225,10 +225,8 @@ fn status_shows_holders_as_a_table_and_as_json() {
         79,
         "lease lost: released elsewhere"
     );
-    let mut said = String::new();
-    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut said).unwrap();
     assert_eq!(
-        said.trim(),
+        take_stderr(&mut run).trim(),
         "leasehold: lease released elsewhere; the command was stopped"
     );
 }
@@ -256,8 +254,7 @@ fn a_waiting_run_keeps_waiting_through_a_short_redis_outage() {
     server.resume();
     assert_eq!(wait_exit(&mut holder, Duration::from_secs(20)), 0);
     let code = wait_exit(&mut waiter, Duration::from_secs(20));
-    let mut said = String::new();
-    std::io::Read::read_to_string(&mut waiter.stderr.take().unwrap(), &mut said).unwrap();
+    let said = take_stderr(&mut waiter);
     assert_eq!(code, 0, "the waiter ran once the holder was done: {said}");
 }
 
@@ -281,11 +278,6 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
             .spawn()
             .unwrap()
     };
-    let said = |child: &mut Child| {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut text).unwrap();
-        text
-    };
     // Paused early in the wait, and within its last call timeout (no attempt failed before the
     // wait ran out).
     for (wait, pause_after) in [("2s", 300), ("3s", 2300)] {
@@ -294,7 +286,7 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
         server.pause();
         let code = wait_exit(&mut run, Duration::from_secs(20));
         server.resume();
-        let text = said(&mut run);
+        let text = take_stderr(&mut run);
         assert_eq!(code, 69, "--wait {wait}: {text}");
         assert!(text.contains("ran out"), "{text}");
     }
@@ -304,7 +296,7 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
     std::thread::sleep(Duration::from_millis(400));
     server.resume();
     let code = wait_exit(&mut run, Duration::from_secs(20));
-    let text = said(&mut run);
+    let text = take_stderr(&mut run);
     assert_eq!(code, 75, "{text}");
     assert!(text.contains("within 1s"), "{text}");
     let _ = holder.kill();

@@ -6,7 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{eventually, subscribers};
-use leasehold::{BackendDownPolicy, BreakerConfig, BreakerMode, Error, Quota, RedisBackend};
+use leasehold::{
+    BackendDownPolicy, BreakerConfig, BreakerMode, Error, Lease, LostReason, Quota, RedisBackend,
+};
 use leasehold_testkit::RedisServer;
 
 const TTL: Duration = Duration::from_millis(1000);
@@ -33,6 +35,34 @@ async fn open_the_circuit(quota: &Quota) {
         assert!(Instant::now() < end, "the circuit never opened");
         let _ = quota.try_acquire("probe").await;
     }
+}
+
+/// Kills `server` and takes a local lease for `task` once the circuit is open.
+async fn granted_locally(server: &mut RedisServer, quota: &Quota, task: &str) -> Lease {
+    server.kill();
+    open_the_circuit(quota).await;
+    let lease = quota.try_acquire(task).await.unwrap();
+    assert!(lease.is_local());
+    lease
+}
+
+/// Another process cancels `task` of quota `name`, and `lease` must hear it within `within`.
+async fn cancel_reaches(
+    server: &RedisServer,
+    name: &str,
+    task: &str,
+    lease: &Lease,
+    within: Duration,
+) {
+    let operator = Quota::builder(name)
+        .limit(2)
+        .ttl(TTL)
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    operator.cancel(task, "operator stop").await.unwrap();
+    let heard = tokio::time::timeout(within, lease.lost()).await;
+    assert_eq!(heard, Ok(LostReason::Cancelled("operator stop".into())));
 }
 
 #[tokio::test]
@@ -274,19 +304,14 @@ async fn a_local_lease_hears_a_cancel_after_a_long_outage() {
         "the subscription never came back with Redis"
     );
     println!("resubscribed {:?} after Redis came back", back.elapsed());
-    let operator = RedisBackend::connect(&server.url()).await.unwrap();
-    let operator = Quota::builder("long-outage")
-        .limit(2)
-        .ttl(TTL)
-        .backend(operator)
-        .build()
-        .unwrap();
-    operator.cancel("job", "operator stop").await.unwrap();
-    let heard = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
-    assert!(
-        matches!(heard, Ok(leasehold::LostReason::Cancelled(_))),
-        "{heard:?}"
-    );
+    cancel_reaches(
+        &server,
+        "long-outage",
+        "job",
+        &lease,
+        Duration::from_secs(2),
+    )
+    .await;
 }
 
 /// The same when the quota never subscribed: its first acquire came during the outage. Nothing
@@ -296,10 +321,7 @@ async fn a_local_lease_hears_a_cancel_after_a_long_outage() {
 async fn a_local_lease_granted_before_the_first_subscription_hears_a_cancel() {
     let mut server = RedisServer::start();
     let quota = quota(&server, "first-in-outage", BackendDownPolicy::FailOpen).await;
-    server.kill();
-    open_the_circuit(&quota).await;
-    let lease = quota.try_acquire("job").await.unwrap();
-    assert!(lease.is_local());
+    let lease = granted_locally(&mut server, &quota, "job").await;
     server.restart();
     let back = Instant::now();
     let channel = "leasehold:{first-in-outage}:events";
@@ -310,17 +332,14 @@ async fn a_local_lease_granted_before_the_first_subscription_hears_a_cancel() {
         "never subscribed after Redis came back"
     );
     println!("subscribed {:?} after Redis came back", back.elapsed());
-    let operator = Quota::builder("first-in-outage")
-        .limit(2)
-        .backend(RedisBackend::connect(&server.url()).await.unwrap())
-        .build()
-        .unwrap();
-    operator.cancel("job", "operator stop").await.unwrap();
-    let heard = tokio::time::timeout(Duration::from_secs(2), lease.lost()).await;
-    assert!(
-        matches!(heard, Ok(leasehold::LostReason::Cancelled(_))),
-        "{heard:?}"
-    );
+    cancel_reaches(
+        &server,
+        "first-in-outage",
+        "job",
+        &lease,
+        Duration::from_secs(2),
+    )
+    .await;
 }
 
 /// A cancel sent after Redis came back but before the quota subscribed again went unheard: on
@@ -329,23 +348,15 @@ async fn a_local_lease_granted_before_the_first_subscription_hears_a_cancel() {
 async fn a_cancel_sent_before_the_local_leases_quota_subscribed_again_is_heard() {
     let mut server = RedisServer::start();
     let quota = quota(&server, "cancel-unheard", BackendDownPolicy::FailOpen).await;
-    server.kill();
-    open_the_circuit(&quota).await;
-    let lease = quota.try_acquire("job").await.unwrap();
-    assert!(lease.is_local());
+    let lease = granted_locally(&mut server, &quota, "job").await;
     server.restart();
-    let operator = Quota::builder("cancel-unheard")
-        .limit(2)
-        .backend(RedisBackend::connect(&server.url()).await.unwrap())
-        .build()
-        .unwrap();
-    let channel = "leasehold:{cancel-unheard}:events";
-    operator.cancel("job", "operator stop").await.unwrap();
-    let unheard = subscribers(&server, channel) == 0;
-    let heard = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
-    assert_eq!(
-        heard,
-        Ok(leasehold::LostReason::Cancelled("operator stop".into())),
-        "message unheard: {unheard}"
-    );
+    // Sent at once: the quota has not subscribed yet (its retry comes within a second).
+    cancel_reaches(
+        &server,
+        "cancel-unheard",
+        "job",
+        &lease,
+        Duration::from_secs(5),
+    )
+    .await;
 }

@@ -66,6 +66,13 @@ pub fn spawn_holder(
     child
 }
 
+/// What a child spawned with a piped stderr wrote there, once it has exited.
+pub fn take_stderr(child: &mut Child) -> String {
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut text).unwrap();
+    text
+}
+
 pub fn wait_output(mut child: Child, within: Duration) -> Output {
     let end = Instant::now() + within;
     while child.try_wait().unwrap().is_none() {
