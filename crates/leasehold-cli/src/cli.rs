@@ -80,7 +80,8 @@ pub struct RunArgs {
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub ttl: Duration,
     /// Renewal interval (default: ttl / 3). It must be shorter than what a renewal grants: the
-    /// ttl less 1 ms and a safety margin (ttl / 20, at least 10 ms); longer is refused (exit 78).
+    /// ttl less 1 ms and a safety margin (ttl / 20, at least 10 ms); one not shorter is refused
+    /// (exit 78).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub heartbeat: Option<Duration>,
     /// How long to wait for a slot: 0 = one try, unset = forever.

@@ -10,9 +10,10 @@ pub enum LostReason {
     /// renewing for longer than the ttl), the backend lost its state, or another process that
     /// shared the lease released it while nobody waited (such a release is not announced).
     Expired,
-    /// The lease was released by someone else, and the release was announced: an operator's
-    /// forced release, or another process holding the same task id while someone waited for a
-    /// slot.
+    /// A release of this lease by someone else was announced: an operator's forced release, or
+    /// another process holding the same task id while someone waited for a slot. The message is
+    /// not checked against the backend, so [`Lease::release`](crate::Lease::release) still
+    /// sends the token-guarded release, which frees the slot if the message was wrong.
     ReleasedElsewhere,
     /// The same task id was admitted again with a newer fencing token; this admission is stale.
     Superseded,

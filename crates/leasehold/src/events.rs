@@ -28,7 +28,8 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
                 shared.slot_freed();
             }
             Ok(QuotaEvent::Cancelled { task_id, reason }) => {
-                // A local lease is never renewed: the message is its only way to learn.
+                // A local lease is never renewed: the message (or a marker read when the
+                // subscription is made again) is its only way to learn.
                 let held = [shared.lease(&task_id), shared.local_lease_of(&task_id)];
                 for lease in held.into_iter().flatten() {
                     lease.mark_lost(LostReason::Cancelled(reason.clone()));

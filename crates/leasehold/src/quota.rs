@@ -34,10 +34,13 @@ use crate::{admissions, heartbeat, runtime};
 ///
 /// The operator's calls ([`status`](Self::status), [`cancel`](Self::cancel),
 /// [`cancel_reason`](Self::cancel_reason), [`force_release`](Self::force_release),
-/// [`set_limit`](Self::set_limit), which takes its own) do not use the handle's limit: an
-/// operator's tool that does not know the fleet's limit may build its handle with any valid one
-/// (say 1), and reads the stored limit from [`Status::stored_limit`]. Only acquires send it.
-/// Give it the fleet's ttl, though: a cancel marker is kept for one hour plus the ttl.
+/// [`set_limit`](Self::set_limit), which takes its own) send no limit: an operator's tool that
+/// does not know the fleet's limit may build its handle with any valid one (say 1, at version
+/// 0), and read the stored limit from [`Status::stored_limit`]. Only acquires send it; in a
+/// `Status`, only `limit`, and `effective_limit()` and `free()` while no limit is stored,
+/// reflect it. Give the handle the fleet's ttl, though: a cancel marker is kept for one hour
+/// plus the ttl (two ttls when longer) unless
+/// [`cancel_marker_ttl`](crate::QuotaBuilder::cancel_marker_ttl) says otherwise.
 ///
 /// ```
 /// # #[tokio::main] async fn main() -> leasehold::Result<()> {
@@ -116,9 +119,9 @@ pub struct Status {
     pub limit: u32,
     /// The limit version configured on this handle.
     pub limit_version: u64,
-    /// The limit the backend stores and admits up to, with its version: the quota's effective
-    /// limit. `None` before the quota's first acquire, or after the backend lost its data; the
-    /// next acquire stores its caller's.
+    /// The limit the backend stores and admits up to, with its version. `None` before the
+    /// quota's first acquire, or after the backend lost its data; the next acquire stores its
+    /// caller's.
     pub stored_limit: Option<VersionedLimit>,
     /// The backend's time of the snapshot.
     pub now: SystemTime,
@@ -151,10 +154,11 @@ impl Status {
             .is_some_and(|s| s.version == self.limit_version && s.limit != self.limit)
     }
 
-    /// Slots an acquire could take right now: those free under the
+    /// Slots an acquire through this handle could take right now: those free under the
     /// [effective limit](Self::effective_limit), or 0 during a [quarantine](Self::quarantine)
     /// (which admits nobody) and when more leases are live than the limit allows (after it was
-    /// lowered).
+    /// lowered). A handle in a [limit mismatch](Self::limit_mismatch) takes none whatever this
+    /// says.
     pub fn free(&self) -> u32 {
         if self.quarantine.is_some() {
             return 0;
