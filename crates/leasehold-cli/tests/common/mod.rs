@@ -66,6 +66,24 @@ pub fn spawn_holder(
     child
 }
 
+/// How many connections `server` has, this query's own included.
+pub fn connections(server: &RedisServer) -> usize {
+    server
+        .command(&["CLIENT", "LIST"])
+        .as_string()
+        .map_or(0, |list| list.lines().count())
+}
+
+/// Waits (bounded) until `server` has more connections than `before`: a process started since
+/// has connected, so a fault injected now meets it connected.
+pub fn wait_connected(server: &RedisServer, before: usize) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while connections(server) <= before {
+        assert!(Instant::now() < end, "nothing connected");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// What a child spawned with a piped stderr wrote there, once it has exited.
 pub fn take_stderr(child: &mut Child) -> String {
     let mut text = String::new();
