@@ -38,8 +38,7 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
                 shared.recheck_task(&task_id);
             }
             Ok(QuotaEvent::Resubscribed) | Err(RecvError::Lagged(_)) => {
-                shared.recheck_all();
-                shared.recheck_local_cancels();
+                shared.recheck_missed_events()
             }
             Err(RecvError::Closed) => {
                 shared.stopped_listening();

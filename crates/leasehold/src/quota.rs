@@ -821,10 +821,17 @@ impl Shared {
             .wake_all_starting(|task_id| self.start_attempt_for(task_id, true));
     }
 
+    /// Events may have been missed (a subscription made or made again, a receiver that lagged):
+    /// every waiter checks again, and every local lease reads its cancel marker.
+    pub(crate) fn recheck_missed_events(self: &Arc<Self>) {
+        self.recheck_all();
+        self.recheck_local_cancels();
+    }
+
     /// Reads the cancel markers of the local leases held: a cancel message sent while nothing
     /// listened went unheard, and a local lease learns of a cancel only by message (it is never
     /// renewed). One call per local lease; they exist only around outages.
-    pub(crate) fn recheck_local_cancels(self: &Arc<Self>) {
+    fn recheck_local_cancels(self: &Arc<Self>) {
         // Upgraded under the lock, dropped after it: the drop of a lease that is over comes
         // back to this map.
         let held: Vec<Arc<LeaseInner>> = {
@@ -929,6 +936,17 @@ impl Shared {
         });
     }
 
+    /// Like [`listen_in_background`](Self::listen_in_background), but without waiting out the
+    /// spacing of attempts after a failed one, which is there for waiters' rounds: for a caller
+    /// with its own reason to try now (the backend answers again) or its own spacing.
+    fn listen_now(self: &Arc<Self>) {
+        *self
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+        self.listen_in_background();
+    }
+
     /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
     /// and the next call tries again.
     async fn ensure_listening(self: &Arc<Self>) {
@@ -963,12 +981,10 @@ impl Shared {
                             _ = stop.cancelled() => {}
                         }
                     });
-                    // Releases announced before this subscription went unheard, and no
-                    // confirmation may come to say so (a channel another handle already
-                    // subscribed, the memory backend): every waiter checks again now, and so
-                    // does every local lease, for a cancel.
-                    self.recheck_all();
-                    self.recheck_local_cancels();
+                    // Releases and cancels announced before this subscription went unheard,
+                    // and no confirmation may come to say so (a channel another handle already
+                    // subscribed, the memory backend).
+                    self.recheck_missed_events();
                 }
             }
             Err(e) => tracing::debug!(quota = %self.keys.name, error = %e,
@@ -984,11 +1000,7 @@ impl Shared {
             Err(Error::BackendUnavailable(_)) => self.breaker.failure(sent),
             _ => {
                 if self.breaker.success() {
-                    *self
-                        .subscribe_failed_at
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner()) = None;
-                    self.listen_in_background();
+                    self.listen_now();
                 }
             }
         }
@@ -1070,11 +1082,7 @@ impl Shared {
                 }
                 // This task's own tick spaces its attempts: the spacing of waiters' attempts
                 // after a failure would skip every other tick.
-                *this
-                    .subscribe_failed_at
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = None;
-                this.listen_in_background();
+                this.listen_now();
                 drop(this);
                 tokio::select! {
                     _ = tokio::time::sleep(SUBSCRIBE_RETRY) => {}
