@@ -709,30 +709,23 @@ impl RedisBackend {
         epochs.get(quota).cloned().unwrap_or_default()
     }
 
-    /// The highest seq seen in the epoch `epoch` of `quota`, 0 if that is not the latest.
-    fn seen_seq(&self, quota: &str, epoch: &str) -> u64 {
+    /// What a renewal of leases confirmed in `epoch` sends of `quota`: the highest seq seen in
+    /// that epoch (0 if it is not the latest), and the highest token seen.
+    fn seen_for_renewal(&self, quota: &str, epoch: &str) -> (u64, u64) {
         let epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
-        epochs
-            .get(quota)
-            .filter(|seen| seen.id == epoch)
-            .map_or(0, |seen| seen.seq)
+        epochs.get(quota).map_or((0, 0), |seen| {
+            let seq = if seen.id == epoch { seen.seq } else { 0 };
+            (seq, seen.highest_token)
+        })
     }
 
-    /// Takes in fencing tokens of `quota` that acquire replies gave.
-    fn saw_tokens(&self, quota: &str, tokens: impl IntoIterator<Item = u64>) {
-        let highest = tokens.into_iter().max().unwrap_or(0);
+    /// Records the epoch and seq a reply reported, and the highest fencing token it gave (0
+    /// for none: renewals give none).
+    fn saw_reply(&self, quota: &str, epoch: &str, seq: u64, highest_token: u64) {
         let mut epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
         let known = epochs.entry(quota.to_owned()).or_default();
-        known.highest_token = known.highest_token.max(highest);
-    }
-
-    /// Records the epoch and seq a reply reported, and returns the epoch.
-    fn saw_epoch(&self, quota: &str, epoch: Option<&Value>, seq: Option<&Value>) -> Result<String> {
-        let epoch = text(epoch)?;
-        let seq = int(seq)?;
-        let mut epochs = self.inner.epochs.lock().unwrap_or_else(|e| e.into_inner());
-        let known = epochs.entry(quota.to_owned()).or_default();
-        match known.observe(&epoch, seq) {
+        known.highest_token = known.highest_token.max(highest_token);
+        match known.observe(epoch, seq) {
             Observed::NewEpoch { after } if !after.is_empty() => tracing::warn!(
                 quota,
                 epoch,
@@ -740,7 +733,6 @@ impl RedisBackend {
             ),
             _ => {}
         }
-        Ok(epoch)
     }
 
     /// One renew call for at most [`RENEW_BATCH`] leases, sent with the epoch `epoch`.
@@ -754,8 +746,9 @@ impl RedisBackend {
         let mut args = Vec::with_capacity(4 + 2 * leases.len());
         args.push(ttl.as_millis().to_string());
         args.push(epoch.to_owned());
-        args.push(self.seen_seq(&keys.name, epoch).to_string());
-        args.push(self.seen_epoch(&keys.name).highest_token.to_string());
+        let (seq, highest_token) = self.seen_for_renewal(&keys.name, epoch);
+        args.push(seq.to_string());
+        args.push(highest_token.to_string());
         for (id, token) in leases {
             args.push(id.clone());
             args.push(token.to_string());
@@ -793,7 +786,8 @@ impl RedisBackend {
                 _ => Ok(RenewOutcome::Gone),
             })
             .collect::<Result<Vec<_>>>()?;
-        let epoch = self.saw_epoch(&keys.name, reply.get(1), reply.get(2))?;
+        let epoch = text(reply.get(1))?;
+        self.saw_reply(&keys.name, &epoch, int(reply.get(2))?, 0);
         Ok(RenewReply { epoch, outcomes })
     }
 }
@@ -841,7 +835,8 @@ impl RedisBackend {
             .into());
         }
         let now_ms = int(reply.get(1))?;
-        let epoch = self.saw_epoch(&keys.name, reply.first(), reply.get(2))?;
+        let epoch = text(reply.first())?;
+        let seq = int(reply.get(2))?;
         let answers = ids
             .into_iter()
             .zip(reply[3..].chunks(4))
@@ -867,15 +862,20 @@ impl RedisBackend {
                 }),
                 other => Err(Misconfiguration::Protocol(format!("acquire replied {other}")).into()),
             })
-            .collect::<Result<Vec<_>>>()?;
-        self.saw_tokens(
-            &keys.name,
-            answers.iter().filter_map(|answer| match answer {
-                AcquireReply::Acquired(lease) | AcquireReply::Held(lease) => Some(lease.token),
-                _ => None,
-            }),
-        );
-        Ok(answers)
+            .collect::<Result<Vec<_>>>();
+        // One look at the per-name state per call: this is the admission path.
+        let highest_token = answers.as_ref().map_or(0, |answers| {
+            answers
+                .iter()
+                .filter_map(|answer| match answer {
+                    AcquireReply::Acquired(lease) | AcquireReply::Held(lease) => Some(lease.token),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0)
+        });
+        self.saw_reply(&keys.name, &epoch, seq, highest_token);
+        answers
     }
 
     /// One release call for `leases` (task id, token or `*`); whether each was removed.
