@@ -80,6 +80,19 @@ struct QuotaState {
 }
 
 impl QuotaState {
+    /// The epoch bookkeeping of an acquire or renew call that carries the client's epoch
+    /// `sent`, as the scripts do it: the store's side (`Epochs::check`), a stale call's raise of
+    /// the fence to the highest token the client has seen, and the client's side (the epoch it
+    /// sees in the reply). Returns whether the call was stale.
+    fn epoch_call(&mut self, sent: &str, now: u64, ttl_ms: u64) -> bool {
+        let stale = self.epochs.check(sent, now, ttl_ms);
+        if stale {
+            self.fence = self.fence.max(self.epochs.highest_token);
+        }
+        self.epochs.seen = self.epochs.id();
+        stale
+    }
+
     /// Settles the stored limit with a caller's, by the protocol's rule (acquire and set_limit
     /// alike): the first one, or a higher version, is stored; a lower version, or the same one
     /// again, keeps the stored one; the same version with another limit is a mismatch.
@@ -188,10 +201,7 @@ impl Backend for MemoryBackend {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
             let seen = std::mem::take(&mut q.epochs.seen);
-            if q.epochs.check(&seen, now, ttl_ms) {
-                q.fence = q.fence.max(q.epochs.highest_token);
-            }
-            q.epochs.seen = q.epochs.id();
+            q.epoch_call(&seen, now, ttl_ms);
             // Settled first, as the script does once per call: whatever the answer, a higher
             // version is stored, and cancelled or held ids are answered whatever the limits say.
             let settled = q.settle_limit(limit);
@@ -243,12 +253,8 @@ impl Backend for MemoryBackend {
     ) -> Result<RenewReply> {
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
-            let stale = q.epochs.check(epoch, now, ttl_ms);
-            if stale {
-                q.fence = q.fence.max(q.epochs.highest_token);
-            }
+            let stale = q.epoch_call(epoch, now, ttl_ms);
             let reregister = stale && q.epochs.quarantine_until_ms > now;
-            q.epochs.seen = q.epochs.id();
             let outcomes = leases
                 .iter()
                 .map(|(id, token)| {
