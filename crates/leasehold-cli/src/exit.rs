@@ -63,14 +63,15 @@ pub fn one_line(text: &str) -> String {
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect();
-    lines
-        .join("; ")
-        .chars()
-        .map(|c| match c {
-            c if c.is_control() => c.escape_default().to_string(),
-            c => c.to_string(),
-        })
-        .collect()
+    let mut shown = String::new();
+    for c in lines.join("; ").chars() {
+        if c.is_control() {
+            shown.extend(c.escape_default());
+        } else {
+            shown.push(c);
+        }
+    }
+    shown
 }
 
 impl From<Error> for Failure {

@@ -157,7 +157,7 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
 /// The reason `task_id` was cancelled, if its marker says so. Bounded: Redis may be the reason
 /// the lease was lost, and then this is no news.
 async fn cancelled_meanwhile(quota: &Quota, task_id: &str) -> Option<String> {
-    tokio::time::timeout(Duration::from_secs(2), quota.cancel_reason(task_id))
+    tokio::time::timeout(LOOK_AT_REDIS, quota.cancel_reason(task_id))
         .await
         .ok()?
         .ok()?
@@ -239,10 +239,10 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
 /// The failure of a `--wait` that ran out: no slot (exit 75, naming the whole wait), unless
 /// Redis does not answer: the attempt out when the wait ran out may then have been waiting for
 /// Redis, not for a slot (exit 69). One look tells which: a round trip when Redis answers, at
-/// most [`STILL_DOWN_CHECK`] when it does not.
+/// most [`LOOK_AT_REDIS`] when it does not.
 async fn ran_out(quota: &Quota, wait: Duration) -> Failure {
-    let unreachable = match tokio::time::timeout(STILL_DOWN_CHECK, quota.status()).await {
-        Err(_) => Some(format!("no answer within {STILL_DOWN_CHECK:?}")),
+    let unreachable = match tokio::time::timeout(LOOK_AT_REDIS, quota.status()).await {
+        Err(_) => Some(format!("no answer within {LOOK_AT_REDIS:?}")),
         Ok(Err(Error::BackendUnavailable(down))) => Some(down),
         Ok(_) => None,
     };
@@ -260,9 +260,10 @@ async fn ran_out(quota: &Quota, wait: Duration) -> Failure {
     }
 }
 
-/// How long the look at Redis when a wait ran out may take: longer than a call timeout (1 s by
-/// default) and than a reconnection to a Redis that just came back, which takes about 1.4 s.
-const STILL_DOWN_CHECK: Duration = Duration::from_secs(2);
+/// How long a look at Redis after the fact may take (when a wait ran out, or the marker of a
+/// task whose lease was lost): longer than a call timeout (1 s by default) and than a
+/// reconnection to a Redis that just came back, which takes about 1.4 s.
+const LOOK_AT_REDIS: Duration = Duration::from_secs(2);
 
 /// The pauses between acquires while Redis cannot be reached during a wait: short at first (a
 /// blip), then at most a second or two (the library short-circuits meanwhile anyway).
