@@ -5,9 +5,9 @@
 //! would work) is neither: every call on it times out, and it would stay in use until the wedge
 //! clears. So the backend counts call timeouts per connection, and after
 //! [`ROUNDS_TO_REBUILD`] consecutive rounds of them with no reply in between it builds a new
-//! connection and swaps it in (see `rebuild` in `redis.rs`). Each round short of that sends a
-//! probe (`PING`) on the connection, so the rounds come one call timeout apart however sparse the
-//! application's own calls are.
+//! connection and swaps it in (see `rebuild` in `connection.rs`). Each round short of that sends
+//! a probe (`PING`) on the connection, so the rounds come one call timeout apart however sparse
+//! the application's own calls are.
 //!
 //! Generic over the connection type so that the counting is unit-tested without a server.
 

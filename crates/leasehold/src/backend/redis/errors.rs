@@ -1,0 +1,84 @@
+//! How a Redis error reaches the caller: transient, or a misconfiguration.
+
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+use crate::error::{Error, Misconfiguration};
+
+/// Error codes with which a healthy server refuses for a while: a replica after a failover
+/// (`READONLY`, `MASTERDOWN`), too few replicas for `min-replicas-to-write` (`NOREPLICAS`), memory
+/// full under `noeviction` (`OOM`), a dataset still loading (`LOADING`), another script running
+/// too long (`BUSY`), a cluster reconfiguring.
+pub(super) const SERVER_BUSY_CODES: &[&str] = &[
+    "READONLY",
+    "MASTERDOWN",
+    "NOREPLICAS",
+    "OOM",
+    "LOADING",
+    "BUSY",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    // Persistence failing (a full or read-only disk): writes are refused until a save succeeds.
+    "MISCONF",
+];
+
+/// Maps a redis-rs error to the operator's categories.
+pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
+    let text = e.to_string();
+    let code = e.code().unwrap_or("");
+    if code == "WRONGTYPE" || text.contains("WRONGTYPE") {
+        return Misconfiguration::WrongType {
+            quota: quota.to_owned(),
+            detail: text,
+        }
+        .into();
+    }
+    if code == "NOPERM" || text.contains("NOPERM") {
+        return Misconfiguration::NoPermission(text).into();
+    }
+    if matches!(code, "NOAUTH" | "WRONGPASS")
+        || text.contains("WRONGPASS")
+        || text.contains("NOAUTH")
+        || e.kind() == ErrorKind::AuthenticationFailed
+    {
+        // Redis words a missing password in protocol terms (HELLO AUTH); say where it goes.
+        if text.contains("NOAUTH") {
+            return Misconfiguration::Auth(format!(
+                "the server requires a password: give it in the URL, \
+                 redis://:PASSWORD@host:port/ or redis://USER:PASSWORD@host:port/ ({text})"
+            ))
+            .into();
+        }
+        return Misconfiguration::Auth(text).into();
+    }
+    if SERVER_BUSY_CODES.contains(&code) {
+        // Checked before the script case: Redis reports these with the script's name when a
+        // command inside it was refused, and they pass (a promotion, freed memory, a load done).
+        return Error::BackendUnavailable(format!("the server refuses for now ({code}): {text}"));
+    }
+    if text.contains("user_script") {
+        // A script failed on data it did not expect (a key rewritten from outside): retrying
+        // cannot help, and it is no reason to open the circuit.
+        return Misconfiguration::Protocol(text).into();
+    }
+    if text.contains("invalid peer certificate") || text.contains("certificate verify failed") {
+        return Misconfiguration::Tls(text).into();
+    }
+    if text.contains("DB index is out of range") || text.contains("refused to switch database") {
+        // The URL's database number does not exist on this server: no retry can help.
+        return Misconfiguration::InvalidUrl(text).into();
+    }
+    match e.kind() {
+        ErrorKind::InvalidClientConfig => Misconfiguration::InvalidUrl(text).into(),
+        // A broken byte stream, e.g. a reply cut short by a connection closed mid-frame: the
+        // outcome of the call is unknown, as after a timeout, and redis-rs reconnects.
+        ErrorKind::Parse => Error::BackendUnavailable(format!("connection broken: {text}")),
+        ErrorKind::UnexpectedReturnType => Misconfiguration::Protocol(text).into(),
+        ErrorKind::Server(
+            ServerErrorKind::CrossSlot | ServerErrorKind::Moved | ServerErrorKind::Ask,
+        ) => Misconfiguration::Protocol(format!(
+            "{text} (a Redis Cluster node: leasehold v1 needs a standalone server)"
+        ))
+        .into(),
+        _ => Error::BackendUnavailable(text),
+    }
+}

@@ -1,0 +1,245 @@
+//! One admission attempt, run to completion on the leasehold runtime whoever still waits for it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use super::Shared;
+use crate::backend::AcquireReply;
+use crate::breaker::Permit;
+use crate::error::{Error, FullCause, Misconfiguration, Result};
+use crate::lease::Lease;
+use crate::runtime;
+
+/// The longest an admission whose caller gave up waits for another attempt of the same task in
+/// this process to share it, before it is released (see `attempt`).
+const ORPHAN_GRACE: Duration = Duration::from_secs(2);
+
+/// What one admission attempt produced.
+pub(crate) enum Attempt {
+    /// The task holds a slot this attempt took (in the backend, or locally by the policy).
+    Admitted(Lease),
+    /// The task's lease in this process already held the slot: the attempt took none.
+    AlreadyHeld(Lease),
+    Full {
+        retry_after: Duration,
+        cause: FullCause,
+    },
+}
+
+/// How long an attempt started for a waiter by a release event keeps a slot it won for that
+/// waiter to take. A waiter whose runtime does not run it by then (blocked, wedged) must not sit
+/// on a slot others could use: the admission is released and the waiter tries again later.
+const TAKE_GRACE: Duration = Duration::from_millis(100);
+
+/// An admission attempt under way (or decided at once, without the backend).
+pub(crate) enum StartedAttempt {
+    Done(Result<Attempt>),
+    Running {
+        outcome: oneshot::Receiver<Result<Attempt>>,
+        /// For an attempt started on a waiter's behalf: tells it the waiter is there to take it.
+        taken: Option<oneshot::Sender<()>>,
+    },
+}
+
+impl std::fmt::Debug for StartedAttempt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StartedAttempt::Done(_) => "StartedAttempt::Done",
+            StartedAttempt::Running { .. } => "StartedAttempt::Running",
+        })
+    }
+}
+
+impl StartedAttempt {
+    /// Waits for the attempt's outcome.
+    pub(crate) async fn outcome(self) -> Result<Attempt> {
+        match self {
+            StartedAttempt::Done(outcome) => outcome,
+            StartedAttempt::Running { outcome, taken } => {
+                if let Some(taken) = taken {
+                    let _ = taken.send(());
+                }
+                outcome.await.unwrap_or_else(|_| {
+                    Err(Error::BackendUnavailable(
+                        "leasehold runtime stopped during an attempt".into(),
+                    ))
+                })
+            }
+        }
+    }
+}
+
+/// Counts one admission attempt of a task for as long as it lives.
+struct AttemptInFlight<'a> {
+    shared: &'a Shared,
+    task_id: &'a str,
+}
+
+impl<'a> AttemptInFlight<'a> {
+    fn new(shared: &'a Shared, task_id: &'a str) -> Self {
+        let mut attempts = shared.admissions.attempts();
+        *attempts.entry(task_id.to_owned()).or_default() += 1;
+        AttemptInFlight { shared, task_id }
+    }
+}
+
+impl Drop for AttemptInFlight<'_> {
+    fn drop(&mut self) {
+        let mut attempts = self.shared.admissions.attempts();
+        if let Some(n) = attempts.get_mut(self.task_id) {
+            *n -= 1;
+            if *n == 0 {
+                attempts.remove(self.task_id);
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Starts one admission attempt of `task_id` on the leasehold runtime; it runs to completion
+    /// even if nobody waits for its outcome any more (a late admission nobody takes is released).
+    pub(crate) fn start_attempt(self: &Arc<Self>, task_id: &str) -> StartedAttempt {
+        self.start_attempt_for(task_id, false)
+    }
+
+    /// Starts an attempt like [`start_attempt`](Self::start_attempt); when `for_waiter`, the
+    /// waiter must take it within [`TAKE_GRACE`] of its reply, or a slot it won is given back.
+    pub(super) fn start_attempt_for(
+        self: &Arc<Self>,
+        task_id: &str,
+        for_waiter: bool,
+    ) -> StartedAttempt {
+        // A task granted a local lease keeps it, even once the backend answers again: asking
+        // the backend would take it a second slot.
+        if let Some(local) = self.local_lease_of(task_id).filter(|l| !l.is_over()) {
+            return StartedAttempt::Done(Ok(Attempt::AlreadyHeld(Lease::from_inner(local))));
+        }
+        if self.breaker.permit() == Permit::Reject {
+            // O(1), no network I/O: the circuit is open.
+            let down = Error::BackendUnavailable("circuit open after repeated failures".into());
+            return StartedAttempt::Done(self.when_down(task_id, down));
+        }
+        let (tx, rx) = oneshot::channel();
+        let (taken, taken_rx) = match for_waiter {
+            true => {
+                let (taken, taken_rx) = oneshot::channel();
+                (Some(taken), Some(taken_rx))
+            }
+            false => (None, None),
+        };
+        let shared = self.clone();
+        let id = task_id.to_owned();
+        let work = self.admissions.pending.start();
+        runtime::spawn(async move {
+            // Dropped last: a late admission nobody takes is let go before `flush` returns.
+            let _work = work;
+            let counted = AttemptInFlight::new(&shared, &id);
+            let (reply, admitted, sent) = {
+                // Adopted before the turn ends, so that a release of this task that waits for
+                // the turn sees the new handle and leaves the lease to it.
+                let _turn = shared.admissions.turns.take(&id).await;
+                let (reply, sent) = shared.acquire_in_backend(&id).await;
+                let admitted = match &reply {
+                    Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
+                        Some(shared.adopt(record, sent))
+                    }
+                    _ => None,
+                };
+                (reply, admitted, sent)
+            };
+            shared.record_backend_result(&reply, sent);
+            if let Some(taken_rx) = taken_rx {
+                // Usually taken long before the reply; otherwise the waiter is not running.
+                let taken = matches!(tokio::time::timeout(TAKE_GRACE, taken_rx).await, Ok(Ok(())));
+                if !taken {
+                    if let Some(unclaimed) = admitted {
+                        // Given back the way an orphan is: another caller of the same task may
+                        // already share this admission (its acquire came back `held`), and then
+                        // dropping this handle must not release it.
+                        drop(counted);
+                        shared.wait_for_other_attempts(&id).await;
+                        drop(unclaimed);
+                    }
+                    // A waiter that runs later tries again at once.
+                    let _ = tx.send(Ok(Attempt::Full {
+                        retry_after: Duration::ZERO,
+                        cause: FullCause::NoSlot,
+                    }));
+                    return;
+                }
+            }
+            let outcome = match reply {
+                Ok(AcquireReply::Acquired(_)) => Ok(Attempt::Admitted(
+                    admitted.expect("an admission is adopted as it arrives"),
+                )),
+                Ok(AcquireReply::Held(_)) => Ok(Attempt::AlreadyHeld(
+                    admitted.expect("an admission is adopted as it arrives"),
+                )),
+                Ok(AcquireReply::Full {
+                    now_ms,
+                    earliest_deadline_ms,
+                }) => {
+                    // The first expiry in server time, plus 1 ms so the reap sees it passed.
+                    let retry_after =
+                        Duration::from_millis(earliest_deadline_ms.saturating_sub(now_ms) + 1);
+                    shared.waiters.note_expiry(Instant::now() + retry_after);
+                    Ok(Attempt::Full {
+                        retry_after,
+                        cause: FullCause::NoSlot,
+                    })
+                }
+                Ok(AcquireReply::Quarantined { remaining_ms }) => {
+                    tracing::warn!(quota = %shared.keys.name, remaining_ms,
+                        "admissions quarantined: the backend lost the quota's state");
+                    match shared.lease(&id).filter(|l| !l.is_over()) {
+                        // This process holds the task's lease, which its next renewal
+                        // re-registers (PROTOCOL §8): it is held, not full.
+                        Some(held) => Ok(Attempt::AlreadyHeld(Lease::from_inner(held))),
+                        None => Ok(Attempt::Full {
+                            retry_after: Duration::from_millis(remaining_ms + 1),
+                            cause: FullCause::Quarantined {
+                                remaining: Duration::from_millis(remaining_ms),
+                            },
+                        }),
+                    }
+                }
+                Ok(AcquireReply::Cancelled { reason }) => Err(Error::Cancelled(reason)),
+                Ok(AcquireReply::LimitMismatch { stored }) => Err(
+                    Misconfiguration::limit_mismatch(shared.config.limit.limit, stored),
+                ),
+                Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
+                Err(e) => Err(e),
+            };
+            if let Err(Ok(Attempt::Admitted(orphan) | Attempt::AlreadyHeld(orphan))) =
+                tx.send(outcome)
+            {
+                // The caller gave up. A retry of the same task already in flight will come back
+                // `held` with this very lease: keep it until that retry has adopted it, then let
+                // it go; if nobody shares it, its drop releases it at once. This attempt no longer
+                // counts: another orphan of the task must not wait for it, nor it for them.
+                drop(counted);
+                shared.wait_for_other_attempts(&id).await;
+                drop(orphan);
+            }
+        });
+        StartedAttempt::Running { outcome: rx, taken }
+    }
+
+    /// Admission attempts of `task_id` under way in this process.
+    pub(super) fn attempts_in_flight(&self, task_id: &str) -> usize {
+        let attempts = self.admissions.attempts();
+        attempts.get(task_id).copied().unwrap_or(0)
+    }
+
+    /// Waits, at most [`ORPHAN_GRACE`], until no attempt of `task_id` whose caller still waits is
+    /// under way (the caller's own no longer counts): one that comes back `held` adopts the
+    /// caller's lease before it is let go.
+    pub(super) async fn wait_for_other_attempts(&self, task_id: &str) {
+        let until = Instant::now() + ORPHAN_GRACE;
+        while self.attempts_in_flight(task_id) > 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}

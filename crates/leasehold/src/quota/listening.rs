@@ -1,0 +1,162 @@
+//! The quota's event subscription: made in the background, made again after it drops, and the
+//! rechecks that cover the events missed meanwhile.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use super::Shared;
+use crate::breaker::BreakerMode;
+use crate::error::{Error, LostReason, Result};
+use crate::lease::LeaseInner;
+use crate::runtime;
+
+/// How long after a failed subscription a waiter tries again (each try may cost a call timeout).
+pub(super) const SUBSCRIBE_RETRY: Duration = Duration::from_secs(1);
+
+impl Shared {
+    /// Wakes one waiter, with its attempt already started: a slot may have freed.
+    pub(crate) fn slot_freed(self: &Arc<Self>) {
+        self.waiters
+            .wake_one_starting(|task_id| self.start_attempt_for(task_id, true));
+    }
+
+    /// Wakes every waiter, the idle ones with their attempts already started in arrival order:
+    /// events may have been missed.
+    pub(crate) fn recheck_all(self: &Arc<Self>) {
+        self.waiters
+            .wake_all_starting(|task_id| self.start_attempt_for(task_id, true));
+    }
+
+    /// Events may have been missed (a subscription made or made again, a receiver that lagged):
+    /// every waiter checks again, and every local lease reads its cancel marker.
+    pub(crate) fn recheck_missed_events(self: &Arc<Self>) {
+        self.recheck_all();
+        self.recheck_local_cancels();
+    }
+
+    /// Reads the cancel markers of the local leases held: a cancel message sent while nothing
+    /// listened went unheard, and a local lease learns of a cancel only by message (it is never
+    /// renewed). One call per local lease; they exist only around outages.
+    pub(super) fn recheck_local_cancels(self: &Arc<Self>) {
+        // Upgraded under the lock, dropped after it: the drop of a lease that is over comes
+        // back to this map.
+        let held: Vec<Arc<LeaseInner>> = {
+            let local = self.admissions.local();
+            local.values().filter_map(Weak::upgrade).collect()
+        };
+        for lease in held.into_iter().filter(|l| !l.is_over()) {
+            let shared = self.clone();
+            let task_id = lease.task_id.clone();
+            // Weak: a lease dropped while its marker is read is released at once.
+            let lease = Arc::downgrade(&lease);
+            runtime::spawn(async move {
+                let marker = shared.backend.cancel_reason(&shared.keys, &task_id).await;
+                if let (Ok(Some(reason)), Some(lease)) = (marker, lease.upgrade()) {
+                    lease.mark_lost(LostReason::Cancelled(reason));
+                }
+            });
+        }
+    }
+
+    /// Wakes the waiters of `task_id` only: it was cancelled, and its next attempt says so.
+    pub(crate) fn recheck_task(&self, task_id: &str) {
+        self.waiters.wake_task(task_id);
+    }
+
+    /// The event subscription ended (it failed, or the backend dropped it): the next acquire
+    /// subscribes again.
+    pub(crate) fn stopped_listening(&self) {
+        self.listening.store(false, Ordering::Release);
+    }
+
+    /// Subscribes in the background when the subscription is missing: no caller waits on a
+    /// subscribe call (on a dead link it takes a whole call timeout, and subscribes of several
+    /// quotas go one after another), and a waiter must not sit on a slot a release won for it
+    /// while one is out.
+    pub(crate) fn listen_in_background(self: &Arc<Self>) {
+        if !self.config.events || self.listening.load(Ordering::Acquire) {
+            return;
+        }
+        if self.subscribing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let shared = self.clone();
+        // Releases announced before the subscription went unheard: once it is in place, every
+        // waiter re-checks (`ensure_listening`).
+        runtime::spawn(async move {
+            shared.ensure_listening().await;
+            shared.subscribing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Like [`listen_in_background`](Self::listen_in_background), but without waiting out the
+    /// spacing of attempts after a failed one, which is there for waiters' rounds: for a caller
+    /// with its own reason to try now (the backend answers again) or its own spacing.
+    pub(super) fn listen_now(self: &Arc<Self>) {
+        *self
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+        self.listen_in_background();
+    }
+
+    /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
+    /// and the next call tries again.
+    pub(super) async fn ensure_listening(self: &Arc<Self>) {
+        if !self.config.events || self.listening.load(Ordering::Acquire) {
+            return;
+        }
+        if self.breaker.mode() == BreakerMode::Open {
+            // The policy answers at once while the circuit is open; subscribing would wait on
+            // the unreachable backend first. A later acquire, or a waiter's next round, subscribes.
+            return;
+        }
+        let failed_at = *self
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if failed_at.is_some_and(|at| at.elapsed() < SUBSCRIBE_RETRY) {
+            return;
+        }
+        let subscribed = self.backend.subscribe(&self.keys).await;
+        *self
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = subscribed.is_err().then(Instant::now);
+        match subscribed {
+            Ok(events) => {
+                if !self.listening.swap(true, Ordering::AcqRel) {
+                    let stop = self.shutdown.clone();
+                    let listener = crate::events::listen(Arc::downgrade(self), events);
+                    runtime::spawn(async move {
+                        tokio::select! {
+                            _ = listener => {}
+                            _ = stop.cancelled() => {}
+                        }
+                    });
+                    // Releases and cancels announced before this subscription went unheard,
+                    // and no confirmation may come to say so (a channel another handle already
+                    // subscribed, the memory backend).
+                    self.recheck_missed_events();
+                }
+            }
+            Err(e) => tracing::debug!(quota = %self.keys.name, error = %e,
+                "no event subscription yet; waiting relies on timers and polls"),
+        }
+    }
+
+    /// Feeds the short-circuit with the outcome of a backend call. The first answer after an
+    /// outage subscribes at once if the subscription is missing: cancels and releases are heard
+    /// again without waiting for a caller's next round.
+    pub(crate) fn record_backend_result<T>(self: &Arc<Self>, result: &Result<T>, sent: Instant) {
+        match result {
+            Err(Error::BackendUnavailable(_)) => self.breaker.failure(sent),
+            _ => {
+                if self.breaker.success() {
+                    self.listen_now();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Admissions the backend could not decide: the backend-down policy and its local leases.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+use super::attempt::Attempt;
+use super::listening::SUBSCRIBE_RETRY;
+use super::Shared;
+use crate::config::BackendDownPolicy;
+use crate::error::{Error, FullCause, Result};
+use crate::lease::{Lease, LeaseInner};
+use crate::runtime;
+
+impl Shared {
+    /// Answers an admission the backend could not decide, by the quota's policy. A task that
+    /// holds a lease in this process gets that lease back whatever the policy: never a second
+    /// slot, never `Full`, never an error for a lease it holds.
+    pub(super) fn when_down(self: &Arc<Self>, task_id: &str, down: Error) -> Result<Attempt> {
+        if let Some(held) = self.held_lease_of(task_id) {
+            return Ok(Attempt::AlreadyHeld(Lease::from_inner(held)));
+        }
+        match self.config.when_down {
+            BackendDownPolicy::FailClosed => Err(down),
+            BackendDownPolicy::FailOpen => Ok(self.grant_locally(task_id, u32::MAX)),
+            BackendDownPolicy::DegradeLocal { share } => Ok(self.grant_locally(task_id, share)),
+        }
+    }
+
+    /// A lease granted without the backend while fewer than `share` local leases are held, or
+    /// the local lease `task_id` already holds. Both are decided under the local leases' lock, so
+    /// that concurrent calls for one task take one slot, not two.
+    pub(super) fn grant_locally(self: &Arc<Self>, task_id: &str, share: u32) -> Attempt {
+        // Declared before the lock so that it drops after it: the drop of a lease that is over
+        // may come back to this map (`forget`).
+        let found: Option<Arc<LeaseInner>>;
+        let mut local = self.admissions.local();
+        found = local.get(task_id).and_then(Weak::upgrade);
+        if let Some(held) = found.as_ref().filter(|l| !l.is_over()) {
+            return Attempt::AlreadyHeld(Lease::from_inner(held.clone()));
+        }
+        let took = self
+            .admissions
+            .local_held
+            // SeqCst: see `listen_while_local_leases_live`.
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |held| {
+                (held < share).then_some(held + 1)
+            })
+            .is_ok();
+        if !took {
+            return Attempt::Full {
+                retry_after: self.config.breaker.cool_down,
+                cause: FullCause::LocalShareUsed,
+            };
+        }
+        tracing::warn!(quota = %self.keys.name, task_id, policy = ?self.config.when_down,
+            "backend unavailable: lease granted locally");
+        let inner = Arc::new(LeaseInner::local(self.clone(), task_id));
+        local.insert(task_id.to_owned(), Arc::downgrade(&inner));
+        drop(local);
+        self.listen_while_local_leases_live();
+        Attempt::Admitted(Lease::from_inner(inner))
+    }
+
+    /// A local lease hears of a cancel only through the quota's channel, and a process that
+    /// holds only local leases makes no backend call that would subscribe again (they are not
+    /// renewed). So while any is held, the subscription is retried until it is in place, and
+    /// again whenever it drops.
+    pub(super) fn listen_while_local_leases_live(self: &Arc<Self>) {
+        // SeqCst on both sides: the grant's increment then swap, and the watcher's store then
+        // load, must not both read the old value, or nobody would watch.
+        if !self.config.events || self.watching_local.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let shared = Arc::downgrade(self);
+        let stop = self.shutdown.clone();
+        runtime::spawn(async move {
+            loop {
+                let Some(this) = shared.upgrade() else { return };
+                if this.admissions.local_held.load(Ordering::SeqCst) == 0 {
+                    this.watching_local.store(false, Ordering::SeqCst);
+                    // A lease granted just before the flag went down found it up and left the
+                    // watching to this task.
+                    if this.admissions.local_held.load(Ordering::SeqCst) == 0
+                        || this.watching_local.swap(true, Ordering::SeqCst)
+                    {
+                        return;
+                    }
+                }
+                // This task's own tick spaces its attempts: the spacing of waiters' attempts
+                // after a failure would skip every other tick.
+                this.listen_now();
+                drop(this);
+                tokio::select! {
+                    _ = tokio::time::sleep(SUBSCRIBE_RETRY) => {}
+                    _ = stop.cancelled() => return,
+                }
+            }
+        });
+    }
+
+    /// A local lease was released.
+    pub(crate) fn local_released(self: &Arc<Self>) {
+        self.admissions.local_held.fetch_sub(1, Ordering::AcqRel);
+        if matches!(
+            self.config.when_down,
+            BackendDownPolicy::DegradeLocal { .. }
+        ) {
+            // A waiter held back by the share may take it now, not at its next poll.
+            self.slot_freed();
+        }
+    }
+}
