@@ -16,11 +16,34 @@
 --   5, stored_limit, stored_version, 0   limit mismatch (same version, another limit is stored)
 -- Task ids are served in order: one call for k ids answers exactly what k calls in a row would
 -- (a task id listed twice is answered `held` the second time).
+-- Arguments are checked before anything is written: a call with a malformed one (a foreign or
+-- buggy client) fails with a `LEASEHOLD` error and changes nothing. Integers are plain decimal
+-- (no sign, no leading zero, no exponent) up to 2^53 - 1, where Lua's doubles are exact.
+-- The same checks are in renew.lua and set_limit.lua: a script cannot call another, so keep them in step.
+local function integer(v, least, most)
+  if not v or #v > 16 or not string.match(v, '^%d+$') or (#v > 1 and string.byte(v) == 48) then
+    return nil
+  end
+  local n = tonumber(v)
+  if n < least or n > most then return nil end
+  return n
+end
+local MAX = 9007199254740991
+local function refuse(what, v)
+  return redis.error_reply('LEASEHOLD invalid ' .. what .. ': ' .. string.format('%q', tostring(v)))
+end
+local ttl = integer(ARGV[1], 1, MAX)
+if not ttl then return refuse('ttl (ARGV[1])', ARGV[1]) end
+local limit = integer(ARGV[2], 1, 1000000)
+if not limit then return refuse('limit (ARGV[2])', ARGV[2]) end
+local version = integer(ARGV[4], 0, MAX)
+if not version then return refuse('limit version (ARGV[4])', ARGV[4]) end
+if not integer(ARGV[5], 0, MAX) then return refuse('seq (ARGV[5])', ARGV[5]) end
+if not integer(ARGV[6], 0, MAX) then return refuse('highest token (ARGV[6])', ARGV[6]) end
+if #ARGV < 7 then return refuse('task ids (none given)', '') end
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[1])
-local limit = tonumber(ARGV[2])
-local version = tonumber(ARGV[4])
 
 -- Dataset loss: a caller that saw another epoch (or one that vanished) proves the quota's state
 -- was lost while leases may still run. Admissions pause for one ttl, once per epoch. A caller that
@@ -151,6 +174,11 @@ for k = 1, n do
     count = count or redis.call('ZCARD', KEYS[1])
     if not mismatch and quarantine_left <= 0 and count < limit then
       fence = (fence or tonumber(redis.call('GET', KEYS[3]) or '0')) + 1
+      if fence > MAX then
+        -- 2^53 - 1 admissions: tokens could no longer be told apart. Nothing admitted yet is
+        -- written; what this call changed before (reaping, the epoch) is right as it is.
+        return redis.error_reply('LEASEHOLD fencing tokens exhausted')
+      end
       local deadline = now + ttl
       admitted[#admitted + 1] = deadline
       admitted[#admitted + 1] = id

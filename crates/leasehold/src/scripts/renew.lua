@@ -12,9 +12,33 @@
 -- a caller from before a dataset loss, during the quarantine that loss started: its leases were
 -- forgotten, not expired, and re-registering them is how the quota learns who still runs. Even
 -- then only up to the stored limit: leases admitted before the loss was detected keep theirs.
+-- Arguments are checked before anything is written: a call with a malformed one (a foreign or
+-- buggy client) fails with a `LEASEHOLD` error and changes nothing. Integers are plain decimal
+-- (no sign, no leading zero, no exponent) up to 2^53 - 1, where Lua's doubles are exact.
+-- The same checks are in acquire.lua: a script cannot call another, so keep them in step.
+local function integer(v, least, most)
+  if not v or #v > 16 or not string.match(v, '^%d+$') or (#v > 1 and string.byte(v) == 48) then
+    return nil
+  end
+  local n = tonumber(v)
+  if n < least or n > most then return nil end
+  return n
+end
+local MAX = 9007199254740991
+local function refuse(what, v)
+  return redis.error_reply('LEASEHOLD invalid ' .. what .. ': ' .. string.format('%q', tostring(v)))
+end
+local ttl = integer(ARGV[1], 1, MAX)
+if not ttl then return refuse('ttl (ARGV[1])', ARGV[1]) end
+if not integer(ARGV[3], 0, MAX) then return refuse('seq (ARGV[3])', ARGV[3]) end
+if not integer(ARGV[4], 0, MAX) then return refuse('highest token (ARGV[4])', ARGV[4]) end
+if #ARGV % 2 ~= 0 then return refuse('pairs (a task id without its token)', #ARGV) end
+for i = 6, #ARGV, 2 do
+  if not integer(ARGV[i], 1, MAX) then return refuse('token (ARGV[' .. i .. '])', ARGV[i]) end
+end
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[1])
 
 -- The epoch check is the same in acquire.lua: a script cannot call another, so keep both in step.
 -- `<seconds>.<microseconds>` of an epoch id as two integers, nil for an id of another form.
@@ -71,13 +95,17 @@ end
 
 local out = {now, epoch, seq}
 local changed = false
+-- MGET, as in acquire.lua: a marker key of another type (written from outside) is no marker,
+-- rather than an error that would fail every lease of the call.
+local n = (#ARGV - 4) / 2
+local markers = n > 0 and redis.call('MGET', unpack(KEYS, 7, 6 + n)) or {}
 local k = 0
 for i = 5, #ARGV, 2 do
   k = k + 1
   local id, token = ARGV[i], ARGV[i + 1]
   local score = redis.call('ZSCORE', KEYS[1], id)
   local meta = redis.call('HGET', KEYS[2], id)
-  local cancelled = redis.call('GET', KEYS[6 + k])
+  local cancelled = markers[k]
   local code, value = 0, 0
   if score and tonumber(score) <= now then
     -- Expired but not reaped yet: reap it now so it cannot be mistaken for a holder.

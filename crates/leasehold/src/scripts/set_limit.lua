@@ -7,15 +7,39 @@
 --      already the largest, 2^53 - 1: there is no version above it)
 --   5  mismatch: the same version is stored with another limit (as acquire's code 5)
 -- Versions are compared as numbers; clients keep them at most 2^53 - 1, where doubles are exact.
+-- Arguments are checked before anything is written: a call with a malformed one (a foreign or
+-- buggy client) fails with a `LEASEHOLD` error and changes nothing. Integers are plain decimal
+-- (no sign, no leading zero, no exponent) up to 2^53 - 1, where Lua's doubles are exact.
+-- The same checks are in acquire.lua: a script cannot call another, so keep them in step.
+local function integer(v, least, most)
+  if not v or #v > 16 or not string.match(v, '^%d+$') or (#v > 1 and string.byte(v) == 48) then
+    return nil
+  end
+  local n = tonumber(v)
+  if n < least or n > most then return nil end
+  return n
+end
+local MAX = 9007199254740991
+local function refuse(what, v)
+  return redis.error_reply('LEASEHOLD invalid ' .. what .. ': ' .. string.format('%q', tostring(v)))
+end
+local limit = integer(ARGV[1], 1, 1000000)
+if not limit then return refuse('limit (ARGV[1])', ARGV[1]) end
+if ARGV[2] ~= '' and not integer(ARGV[2], 0, MAX) then
+  return refuse('limit version (ARGV[2])', ARGV[2])
+end
+
 local stored = redis.call('HMGET', KEYS[1], 'limit', 'version')
 local stored_limit, stored_version = tonumber(stored[1]), tonumber(stored[2])
-local limit = tonumber(ARGV[1])
 local version
 if ARGV[2] == '' then
-  if stored_limit and stored_version and stored_version >= 9007199254740991 then
-    return {0, stored_limit, stored_version}
+  if stored_version and stored_version >= MAX then
+    if stored_limit then return {0, stored_limit, stored_version} end
+    -- An incomplete key (written from outside) is replaced, within the range of versions.
+    version = MAX
+  else
+    version = (stored_version or 0) + 1
   end
-  version = (stored_version or 0) + 1
 else
   version = tonumber(ARGV[2])
 end

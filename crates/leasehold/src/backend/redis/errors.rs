@@ -55,6 +55,11 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         // command inside it was refused, and they pass (a promotion, freed memory, a load done).
         return Error::BackendUnavailable(format!("the server refuses for now ({code}): {text}"));
     }
+    if code == "LEASEHOLD" {
+        // A script refused its arguments (out of range, not plain decimal) before writing
+        // anything, or ran out of fencing tokens: this client, or the data, breaks the protocol.
+        return Misconfiguration::Protocol(text).into();
+    }
     if text.contains("user_script") {
         // A script failed on data it did not expect (a key rewritten from outside): retrying
         // cannot help, and it is no reason to open the circuit.

@@ -1,0 +1,336 @@
+//! The scripts refuse malformed arguments (a foreign or buggy client) before they write anything
+//! (PROTOCOL.md §2, §5.1): nothing a bad call sends is stored, a stale call with a bad ttl does
+//! not use up its epoch's one quarantine, and tokens stay exact.
+
+use std::time::Duration;
+
+use leasehold::backend::{AcquireReply, RenewOutcome};
+use leasehold::{Backend, Error, Misconfiguration, QuotaKeys, RedisBackend, VersionedLimit};
+use leasehold_testkit::{RedisServer, Reply};
+
+const ACQUIRE_LUA: &str = include_str!("../src/scripts/acquire.lua");
+const RENEW_LUA: &str = include_str!("../src/scripts/renew.lua");
+const SET_LIMIT_LUA: &str = include_str!("../src/scripts/set_limit.lua");
+
+/// 2^53 - 1: the largest token, seq, limit version and ttl a script takes.
+const MAX: &str = "9007199254740991";
+
+fn key(quota: &str, suffix: &str) -> String {
+    format!("leasehold:{{{quota}}}:{suffix}")
+}
+
+/// Every key of the server with its serialized value, in order: what a refused call must leave
+/// exactly as it was (TTLs aside, which `DUMP` does not carry).
+fn dataset(server: &RedisServer) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let Reply::Array(names) = server.command(&["KEYS", "*"]) else {
+        panic!("KEYS did not answer an array")
+    };
+    let mut names: Vec<Vec<u8>> = names
+        .into_iter()
+        .map(|n| match n {
+            Reply::Bulk(b) => b,
+            other => panic!("a key name: {other:?}"),
+        })
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|name| {
+            let text = String::from_utf8(name.clone()).unwrap();
+            match server.command(&["DUMP", &text]) {
+                Reply::Bulk(dump) => (name, dump),
+                other => panic!("DUMP {text}: {other:?}"),
+            }
+        })
+        .collect()
+}
+
+fn acquire_args<'a>(quota: &str, args: [&'a str; 6], ids: &[&'a str]) -> Vec<String> {
+    let mut keys: Vec<String> = [
+        "leases",
+        "holders",
+        "fence",
+        "epoch",
+        "quarantine",
+        "waiting",
+        "limit",
+    ]
+    .iter()
+    .map(|s| key(quota, s))
+    .collect();
+    keys.extend(ids.iter().map(|id| key(quota, &format!("cancel:{id}"))));
+    let mut all = vec![
+        "EVAL".to_owned(),
+        ACQUIRE_LUA.to_owned(),
+        keys.len().to_string(),
+    ];
+    all.extend(keys);
+    all.extend(args.iter().map(|s| s.to_string()));
+    all.extend(ids.iter().map(|s| s.to_string()));
+    all
+}
+
+fn renew_args(quota: &str, args: [&str; 4], pairs: &[&str]) -> Vec<String> {
+    let mut keys: Vec<String> = ["leases", "holders", "fence", "epoch", "quarantine", "limit"]
+        .iter()
+        .map(|s| key(quota, s))
+        .collect();
+    keys.extend(
+        pairs
+            .chunks(2)
+            .map(|pair| key(quota, &format!("cancel:{}", pair[0]))),
+    );
+    let mut all = vec![
+        "EVAL".to_owned(),
+        RENEW_LUA.to_owned(),
+        keys.len().to_string(),
+    ];
+    all.extend(keys);
+    all.extend(args.iter().map(|s| s.to_string()));
+    all.extend(pairs.iter().map(|s| s.to_string()));
+    all
+}
+
+fn run(server: &RedisServer, args: &[String]) -> Reply {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    server.command(&args)
+}
+
+fn code_of_first_answer(reply: &Reply) -> i64 {
+    match reply {
+        Reply::Array(items) => items[3].as_int().expect("an acquire code"),
+        other => panic!("not an acquire reply: {other:?}"),
+    }
+}
+
+#[test]
+fn malformed_arguments_are_refused_and_change_nothing() {
+    let server = RedisServer::start();
+    let q = "args";
+    // A quota with a lease, an epoch and a stored limit, as any client leaves it.
+    let first = run(
+        &server,
+        &acquire_args(q, ["10000", "2", "", "0", "0", "0"], &["a"]),
+    );
+    assert_eq!(code_of_first_answer(&first), 1, "{first:?}");
+    let Reply::Array(items) = &first else {
+        unreachable!()
+    };
+    let epoch = items[0].as_string().expect("the epoch id");
+    // A stale caller (an epoch the server does not have) is the path that used to write before
+    // it read its arguments: the quarantine's `detected_ms`, re-registered leases, the fence.
+    let stale = "1.1";
+
+    let mut calls: Vec<(&str, Vec<String>)> = Vec::new();
+    for ttl in ["0", "-5", "1.5", "1e3", "", "9007199254740992"] {
+        calls.push((
+            "acquire ttl",
+            acquire_args(q, [ttl, "2", stale, "0", "0", "0"], &["b"]),
+        ));
+        calls.push((
+            "renew ttl",
+            renew_args(q, [ttl, stale, "0", "0"], &["c", "7"]),
+        ));
+    }
+    for limit in ["0", "1000001", "2.5", "02", "x"] {
+        calls.push((
+            "acquire limit",
+            acquire_args(q, ["10000", limit, stale, "0", "0", "0"], &["b"]),
+        ));
+    }
+    for number in [
+        "-1",
+        "2.5",
+        "1e3",
+        "9007199254740992",
+        "99999999999999999999",
+        "00",
+    ] {
+        calls.push((
+            "acquire limit version",
+            acquire_args(q, ["10000", "2", stale, number, "0", "0"], &["b"]),
+        ));
+        calls.push((
+            "acquire seq",
+            acquire_args(q, ["10000", "2", stale, "0", number, "0"], &["b"]),
+        ));
+        calls.push((
+            "acquire highest token",
+            acquire_args(q, ["10000", "2", stale, "0", "0", number], &["b"]),
+        ));
+        calls.push((
+            "renew highest token",
+            renew_args(q, ["10000", stale, "0", number], &["c", "7"]),
+        ));
+        calls.push((
+            "renew token",
+            renew_args(q, ["10000", stale, "0", "0"], &["c", number]),
+        ));
+    }
+    calls.push((
+        "renew token",
+        renew_args(q, ["10000", stale, "0", "0"], &["c", "abc"]),
+    ));
+    calls.push((
+        "renew zero token",
+        renew_args(q, ["10000", stale, "0", "0"], &["c", "0"]),
+    ));
+    calls.push((
+        "renew without a token",
+        renew_args(q, ["10000", stale, "0", "0"], &["c"]),
+    ));
+    calls.push((
+        "acquire without task ids",
+        acquire_args(q, ["10000", "2", stale, "0", "0", "0"], &[]),
+    ));
+    for (limit, version) in [("0", "1"), ("1e3", "1"), ("3", "-1"), ("3", "2.5")] {
+        calls.push((
+            "set_limit",
+            vec![
+                "EVAL".into(),
+                SET_LIMIT_LUA.into(),
+                "1".into(),
+                key(q, "limit"),
+                limit.into(),
+                version.into(),
+            ],
+        ));
+    }
+
+    let before = dataset(&server);
+    for (what, call) in &calls {
+        let reply = run(&server, call);
+        match &reply {
+            Reply::Error(e) => assert!(
+                e.starts_with("LEASEHOLD invalid"),
+                "{what}: refused, but not as a bad argument: {e}"
+            ),
+            other => panic!("{what} with {:?} was answered {other:?}", &call[3..]),
+        }
+        assert_eq!(dataset(&server), before, "{what} changed the dataset");
+    }
+    println!("{} malformed calls refused, dataset unchanged", calls.len());
+
+    // The stale calls above did not use up the epoch's one quarantine: the first well-formed
+    // stale call still starts it, and admissions pause.
+    let valid = run(
+        &server,
+        &acquire_args(q, ["10000", "2", stale, "0", "0", "0"], &["b"]),
+    );
+    assert_eq!(
+        code_of_first_answer(&valid),
+        4,
+        "a well-formed stale call quarantines: {valid:?}"
+    );
+    assert!(epoch != stale);
+}
+
+#[tokio::test]
+async fn the_client_hears_a_refused_argument_as_a_protocol_misconfiguration() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let keys = QuotaKeys::new("refused").unwrap();
+    let limit = VersionedLimit {
+        limit: 2,
+        version: 0,
+    };
+    let ttl = Duration::from_secs(10);
+    let AcquireReply::Acquired(lease) = backend
+        .acquire_with_limit(&keys, "a", ttl, limit)
+        .await
+        .unwrap()
+    else {
+        panic!("a is admitted")
+    };
+    // `Backend::renew` is public: a token no admission gave (above 2^53 - 1) is refused whole.
+    let refused = backend
+        .renew(&keys, ttl, &lease.epoch, &[("a".into(), u64::MAX)])
+        .await;
+    assert!(
+        matches!(
+            &refused,
+            Err(Error::Misconfigured(Misconfiguration::Protocol(m))) if m.contains("invalid token")
+        ),
+        "{refused:?}"
+    );
+    let renewed = backend
+        .renew(&keys, ttl, &lease.epoch, &[("a".into(), lease.token)])
+        .await
+        .unwrap();
+    assert!(
+        matches!(renewed.outcomes[..], [RenewOutcome::Renewed { .. }]),
+        "the lease is untouched: {renewed:?}"
+    );
+
+    // The fence at its largest: no token is left to give, and nobody is admitted.
+    server.command(&["SET", &key("refused", "fence"), MAX]);
+    let exhausted = backend.acquire_with_limit(&keys, "b", ttl, limit).await;
+    assert!(
+        matches!(
+            &exhausted,
+            Err(Error::Misconfigured(Misconfiguration::Protocol(m))) if m.contains("exhausted")
+        ),
+        "{exhausted:?}"
+    );
+    assert_eq!(
+        server
+            .command(&["ZCARD", &key("refused", "leases")])
+            .as_int(),
+        Some(1),
+        "b took no slot"
+    );
+    assert_eq!(
+        server
+            .command(&["GET", &key("refused", "fence")])
+            .as_string()
+            .as_deref(),
+        Some(MAX),
+        "the fence did not move"
+    );
+}
+
+#[tokio::test]
+async fn a_cancel_marker_of_another_type_fails_no_renewal() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let keys = QuotaKeys::new("marker").unwrap();
+    let limit = VersionedLimit {
+        limit: 3,
+        version: 0,
+    };
+    let ttl = Duration::from_secs(10);
+    let mut leases = Vec::new();
+    for id in ["a", "b"] {
+        let AcquireReply::Acquired(lease) = backend
+            .acquire_with_limit(&keys, id, ttl, limit)
+            .await
+            .unwrap()
+        else {
+            panic!("{id} is admitted")
+        };
+        leases.push(lease);
+    }
+    // Written from outside: b's marker key holds a hash. Acquire reads markers with MGET, which
+    // sees no marker there; renew does the same, instead of failing a and b alike (WRONGTYPE).
+    server.command(&["HSET", &key("marker", "cancel:b"), "x", "1"]);
+    let pairs: Vec<(String, u64)> = leases
+        .iter()
+        .map(|l| (l.task_id.clone(), l.token))
+        .collect();
+    let renewed = backend
+        .renew(&keys, ttl, &leases[0].epoch, &pairs)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            renewed.outcomes[..],
+            [RenewOutcome::Renewed { .. }, RenewOutcome::Renewed { .. }]
+        ),
+        "{renewed:?}"
+    );
+    let again = backend
+        .acquire_with_limit(&keys, "b", ttl, limit)
+        .await
+        .unwrap();
+    assert!(matches!(again, AcquireReply::Held(_)), "{again:?}");
+}
