@@ -252,9 +252,11 @@ async fn ran_out(quota: &Quota, wait: Duration) -> Failure {
             humantime::format_duration(wait)
         ))
         .into(),
+        // Redis answers now: the wait was for a slot.
         None => Error::TimedOut {
             quota: quota.name().to_owned(),
             waited: wait,
+            answered: true,
         }
         .into(),
     }

@@ -185,13 +185,17 @@ pub enum Error {
         /// Why no slot was free.
         cause: FullCause,
     },
-    /// No slot became free within the time the caller allowed.
-    #[error("no slot in quota {quota:?} within {waited:?}")]
+    /// No lease within the time the caller allowed.
+    #[error("{}", timed_out(quota, waited, *answered))]
     TimedOut {
         /// The quota's name.
         quota: String,
         /// How long the caller waited.
         waited: Duration,
+        /// Whether an attempt of the wait was answered (each time: no slot). `false` when none
+        /// was answered in time: the backend was slow or stalled (a wait shorter than a call
+        /// timeout ends before a stalled backend's call fails), and the quota may not be full.
+        answered: bool,
     },
     /// The lease is no longer held.
     #[error("{0}")]
@@ -215,6 +219,18 @@ impl Error {
             self,
             Error::Full { .. } | Error::TimedOut { .. } | Error::BackendUnavailable(_)
         )
+    }
+}
+
+/// The text of [`Error::TimedOut`]: an operator who reads "no slot" raises the limit, so it is
+/// said only when the backend said so.
+fn timed_out(quota: &str, waited: &Duration, answered: bool) -> String {
+    match answered {
+        true => format!("no slot in quota {quota:?} within {waited:?}"),
+        false => format!(
+            "no answer for quota {quota:?} within {waited:?}: the backend is slow or \
+             unreachable (the quota may not be full)"
+        ),
     }
 }
 

@@ -188,17 +188,23 @@ impl Quota {
     /// safety-net poll may take a slot that freed during an older waiter's round trip.
     ///
     /// Waiting is for a free slot, not for the backend: when the backend cannot answer, the
-    /// quota's [`BackendDownPolicy`](crate::BackendDownPolicy) decides at once (the default
-    /// fails closed with [`Error::BackendUnavailable`]), so a caller is never stuck behind an
-    /// outage it cannot see.
+    /// quota's [`BackendDownPolicy`](crate::BackendDownPolicy) decides (the default fails closed
+    /// with [`Error::BackendUnavailable`]), so a caller is never stuck behind an outage it cannot
+    /// see. It decides at once when the connection is refused or the short-circuit is open; a
+    /// backend that stalls without refusing costs the first callers one call timeout
+    /// ([`RedisOptions::call_timeout`](crate::RedisOptions::call_timeout)) each, until the
+    /// short-circuit opens.
     /// It fails with [`Error::Cancelled`] if the task is cancelled while it waits.
     pub async fn acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
-        self.wait_for_slot(task_id).await
+        self.wait_for_slot(task_id, &AtomicBool::new(false)).await
     }
 
-    /// Like [`acquire`](Self::acquire), but gives up after `timeout` with [`Error::TimedOut`].
+    /// Like [`acquire`](Self::acquire), but gives up after `timeout` with [`Error::TimedOut`],
+    /// whose `answered` tells a full quota (an attempt was answered: no slot) from a backend that
+    /// answered no attempt in time (a stalled one, when `timeout` is shorter than a call
+    /// timeout).
     /// Like `acquire`, it needs a Tokio runtime with its timer enabled.
     /// An attempt still in flight at that moment is not lost: if its late reply admits the task,
     /// the slot is released in the background. A task that holds a lease in this process gets
@@ -207,13 +213,15 @@ impl Quota {
     pub async fn acquire_timeout(&self, task_id: &str, timeout: Duration) -> Result<Lease> {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
-        match tokio::time::timeout(timeout, self.wait_for_slot(task_id)).await {
+        let answered = AtomicBool::new(false);
+        match tokio::time::timeout(timeout, self.wait_for_slot(task_id, &answered)).await {
             Ok(result) => result,
             Err(_) => match self.shared.held_lease_of(task_id) {
                 Some(held) => Ok(Lease::from_inner(held)),
                 None => Err(Error::TimedOut {
                     quota: self.name().to_owned(),
                     waited: timeout,
+                    answered: answered.load(Ordering::Relaxed),
                 }),
             },
         }
@@ -309,7 +317,8 @@ impl Quota {
     /// link slower than the heartbeat, where renewals overlap, once its leases are released).
     ///
     /// ```
-    /// # async fn demo() -> leasehold::Result<()> {
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> leasehold::Result<()> {
     /// let quota = leasehold::Quota::builder("reports").limit(4).build()?;
     /// let lease = quota.try_acquire("report-17").await?;
     /// drop(lease); // released in the background...
@@ -353,7 +362,8 @@ impl Quota {
     /// arrives later, finds the lease already lost.
     ///
     /// ```
-    /// # async fn demo() -> leasehold::Result<()> {
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> leasehold::Result<()> {
     /// let quota = leasehold::Quota::builder("reports").limit(4).build()?;
     /// quota.cancel("report-17", "superseded").await?;
     /// assert_eq!(quota.cancel_reason("report-17").await?.as_deref(), Some("superseded"));
@@ -376,7 +386,9 @@ impl Quota {
         }
     }
 
-    async fn wait_for_slot(&self, task_id: &str) -> Result<Lease> {
+    /// Waits for a slot; `answered` is set once an attempt is answered (no slot), so that a
+    /// caller that gives up can tell a full quota from a backend that never answered.
+    async fn wait_for_slot(&self, task_id: &str, answered: &AtomicBool) -> Result<Lease> {
         let shared = &self.shared;
         // Only a newcomer when nobody waits in line (or a task that already holds) may try at
         // once; otherwise it would overtake older waiters.
@@ -385,7 +397,7 @@ impl Quota {
             .waiters
             .join(task_id, shared.held_lease_of(task_id).is_some());
         if try_at_once {
-            match self.settled(self.attempt(task_id).await)? {
+            match self.settled(self.attempt(task_id).await, answered)? {
                 Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r, .. } => {
                     retry_after = r;
@@ -426,7 +438,7 @@ impl Quota {
                 Some(started) => started,
                 None => shared.start_attempt(task_id),
             };
-            let outcome = self.settled(attempt.outcome().await);
+            let outcome = self.settled(attempt.outcome().await, answered);
             if !matches!(outcome, Ok(Attempt::Admitted(_) | Attempt::Full { .. })) {
                 // This waiter leaves without having taken a slot (another caller of its task
                 // holds it, or an error: cancelled, the backend down...): a freed slot its
@@ -445,10 +457,12 @@ impl Quota {
 
     /// An attempt's outcome, as a waiter takes it: a misconfiguration (a limit that disagrees
     /// with the stored one) ends every waiter's wait alike, so all of them try now and hear it,
-    /// instead of each at its next poll.
-    fn settled(&self, outcome: Result<Attempt>) -> Result<Attempt> {
-        if matches!(outcome, Err(Error::Misconfigured(_))) {
-            self.shared.recheck_all();
+    /// instead of each at its next poll. A refusal sets `answered`.
+    fn settled(&self, outcome: Result<Attempt>, answered: &AtomicBool) -> Result<Attempt> {
+        match &outcome {
+            Err(Error::Misconfigured(_)) => self.shared.recheck_all(),
+            Ok(Attempt::Full { .. }) => answered.store(true, Ordering::Relaxed),
+            _ => {}
         }
         outcome
     }

@@ -1,0 +1,62 @@
+//! `acquire_timeout` that runs out says why: no slot (an attempt was answered "full"), or no
+//! answer at all (a stalled backend, when the wait is shorter than a call timeout). An operator
+//! who reads "no slot" raises the limit; that must only happen when the quota is full.
+
+use std::time::Duration;
+
+use leasehold::{Error, Quota, RedisBackend, RedisOptions};
+use leasehold_testkit::RedisServer;
+
+#[tokio::test]
+async fn a_wait_that_runs_out_tells_a_full_quota_from_a_stalled_backend() {
+    let server = RedisServer::start();
+    let options = RedisOptions {
+        call_timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let backend = RedisBackend::connect_with(&server.url(), options)
+        .await
+        .unwrap();
+    let quota = Quota::builder("stalled")
+        .limit(1)
+        .ttl(Duration::from_secs(30))
+        .backend(backend)
+        .build()
+        .unwrap();
+
+    // Full: the holder keeps the one slot, the waiter's attempts are answered "no slot".
+    let holder = quota.try_acquire("holder").await.unwrap();
+    let full = quota
+        .acquire_timeout("waiter", Duration::from_millis(300))
+        .await;
+    match &full {
+        Err(e @ Error::TimedOut { answered, .. }) => {
+            assert!(*answered, "{e}");
+            assert!(e.to_string().starts_with("no slot in quota"), "{e}");
+        }
+        other => panic!("expected a timeout: {other:?}"),
+    }
+    holder.release().await.unwrap();
+
+    // Stalled: a free slot, but Redis answers nothing before the wait (shorter than the call
+    // timeout) runs out.
+    server.pause();
+    let stalled = quota
+        .acquire_timeout("waiter", Duration::from_millis(300))
+        .await;
+    server.resume();
+    match &stalled {
+        Err(e @ Error::TimedOut { answered, .. }) => {
+            assert!(!answered, "{e}");
+            assert!(e.to_string().starts_with("no answer for quota"), "{e}");
+        }
+        other => panic!("expected a timeout: {other:?}"),
+    }
+    // Redis answers again: the attempt that was out when the wait ended admitted "waiter" late,
+    // and that admission, which nobody took, was given back; the slot is free.
+    quota.flush().await;
+    let later = quota
+        .acquire_timeout("another", Duration::from_secs(5))
+        .await;
+    assert!(later.is_ok(), "{later:?}");
+}
