@@ -51,7 +51,7 @@ mod waiters;
 
 pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
-pub use backend::{Backend, VersionedLimit};
+pub use backend::{Backend, LimitUpdate, VersionedLimit};
 pub use breaker::{BreakerConfig, BreakerMode};
 pub use config::{BackendDownPolicy, QuotaBuilder, MAX_CANCEL_MARKER_TTL, MAX_TTL, MIN_TTL};
 pub use error::{Error, FullCause, LostReason, Misconfiguration, Result};
