@@ -334,3 +334,46 @@ async fn a_cancel_marker_of_another_type_fails_no_renewal() {
         .unwrap();
     assert!(matches!(again, AcquireReply::Held(_)), "{again:?}");
 }
+
+#[tokio::test]
+async fn both_backends_refuse_a_token_no_admission_gives() {
+    let server = RedisServer::start();
+    let redis: std::sync::Arc<dyn Backend> =
+        std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
+    let memory: std::sync::Arc<dyn Backend> = std::sync::Arc::new(leasehold::MemoryBackend::new());
+    let keys = QuotaKeys::new("tokens").unwrap();
+    let ttl = Duration::from_secs(10);
+    let limit = VersionedLimit {
+        limit: 2,
+        version: 0,
+    };
+    for (name, backend) in [("redis", redis), ("memory", memory)] {
+        let AcquireReply::Acquired(lease) = backend
+            .acquire_with_limit(&keys, "a", ttl, limit)
+            .await
+            .unwrap()
+        else {
+            panic!("{name}: a is admitted")
+        };
+        for token in [0, 1 << 53, u64::MAX] {
+            let refused = backend
+                .renew(&keys, ttl, &lease.epoch, &[("a".into(), token)])
+                .await;
+            assert!(
+                matches!(
+                    &refused,
+                    Err(Error::Misconfigured(Misconfiguration::Protocol(_)))
+                ),
+                "{name}, token {token}: {refused:?}"
+            );
+        }
+        let renewed = backend
+            .renew(&keys, ttl, &lease.epoch, &[("a".into(), lease.token)])
+            .await
+            .unwrap();
+        assert!(
+            matches!(renewed.outcomes[..], [RenewOutcome::Renewed { .. }]),
+            "{name}: {renewed:?}"
+        );
+    }
+}

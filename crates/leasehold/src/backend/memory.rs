@@ -14,7 +14,7 @@ use super::{
     AcquireReply, Backend, LeaseRecord, LimitUpdate, QuotaEvent, RenewOutcome, RenewReply,
     Snapshot, VersionedLimit,
 };
-use crate::error::Result;
+use crate::error::{Misconfiguration, Result};
 use crate::keys::{QuotaKeys, MAX_LIMIT_VERSION};
 
 /// Capacity of each quota's event channel; a slow receiver loses old events (at most once).
@@ -251,6 +251,17 @@ impl Backend for MemoryBackend {
         epoch: &str,
         leases: &[(String, u64)],
     ) -> Result<RenewReply> {
+        // As renew.lua: a token no admission can have given (0, or above 2^53 - 1, where the
+        // scripts' numbers stop being exact) fails the whole call before anything changes.
+        if let Some((id, token)) = leases
+            .iter()
+            .find(|(_, t)| *t == 0 || *t > MAX_LIMIT_VERSION)
+        {
+            return Err(Misconfiguration::Protocol(format!(
+                "LEASEHOLD invalid token for {id:?}: {token}"
+            ))
+            .into());
+        }
         let ttl_ms = ttl.as_millis() as u64;
         Ok(self.with_quota(&keys.name, |q, now| {
             let stale = q.epoch_call(epoch, now, ttl_ms);
