@@ -1,0 +1,137 @@
+//! F6 of the reliability field notes: Redis restarts with its data intact (AOF, `appendfsync
+//! always`). Nothing was lost, so nothing may look lost: the leases survive the restart, no slot
+//! is handed out twice, no client takes the restart for a dataset loss (no quarantine), and the
+//! holders keep their leases through it.
+
+use std::time::{Duration, Instant};
+
+use leasehold::{Error, FullCause, Quota, QuotaKeys, RedisBackend};
+use leasehold_testkit::{RedisServer, Reply};
+
+const NAME: &str = "restart";
+const TTL: Duration = Duration::from_secs(2);
+/// How long the other client keeps trying after the restart: longer than one ttl, so that
+/// leases whose renewals had stopped would have expired and been handed out inside it.
+const WATCH: Duration = Duration::from_secs(3);
+const ATTEMPT_EVERY: Duration = Duration::from_millis(50);
+
+async fn quota_on(server: &RedisServer) -> Quota {
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    Quota::builder(NAME)
+        .limit(2)
+        .ttl(TTL)
+        .backend(backend)
+        .build()
+        .unwrap()
+}
+
+fn field(server: &RedisServer, key: &str, field: &str) -> Option<String> {
+    server.command(&["HGET", key, field]).as_string()
+}
+
+fn score(server: &RedisServer, key: &str, member: &str) -> f64 {
+    let reply = server.command(&["ZSCORE", key, member]);
+    let text = reply
+        .as_string()
+        .unwrap_or_else(|| panic!("no score for {member}: {reply:?}"));
+    text.parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_the_data_intact_loses_nothing_and_admits_nobody_extra() {
+    let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let keys = QuotaKeys::new(NAME).unwrap();
+    let holders = quota_on(&server).await;
+    let a = holders.try_acquire("a").await.unwrap();
+    let b = holders.try_acquire("b").await.unwrap();
+    // Another process, which has seen the quota's epoch before the restart: the one that would
+    // take a changed state for a loss.
+    let other = quota_on(&server).await;
+    match other.try_acquire("c").await {
+        Err(Error::Full {
+            cause: FullCause::NoSlot,
+            ..
+        }) => {}
+        other => panic!("before the restart: {other:?}"),
+    }
+    let epoch = field(&server, &keys.epoch, "id").expect("an epoch");
+    let seq = field(&server, &keys.epoch, "seq");
+    let score_a = score(&server, &keys.leases, "a");
+
+    let killed = Instant::now();
+    // SIGKILL, then the same port, the same directory and the same arguments: the AOF is replayed.
+    tokio::task::block_in_place(|| server.restart());
+    let down = killed.elapsed();
+    let restarted = Instant::now();
+    println!("restarted: down {down:?}");
+    for (option, value) in [("appendonly", "yes"), ("appendfsync", "always")] {
+        let reply = server.command(&["CONFIG", "GET", option]);
+        let got = match &reply {
+            Reply::Array(pair) => pair.get(1).and_then(Reply::as_string),
+            _ => None,
+        };
+        assert_eq!(got.as_deref(), Some(value), "{option}: {reply:?}");
+    }
+    let zcard = server.command(&["ZCARD", &keys.leases]).as_int();
+    println!("ZCARD after the restart: {zcard:?}");
+    assert_eq!(zcard, Some(2), "the leases survived the restart");
+    assert_eq!(field(&server, &keys.epoch, "id").as_ref(), Some(&epoch));
+    assert_eq!(field(&server, &keys.epoch, "seq"), seq);
+
+    let (mut attempts, mut full) = (0, 0);
+    while restarted.elapsed() < WATCH {
+        attempts += 1;
+        match other.try_acquire(&format!("c{attempts}")).await {
+            Err(Error::Full {
+                cause: FullCause::NoSlot,
+                ..
+            }) => full += 1,
+            Err(Error::Full {
+                cause: FullCause::Quarantined { remaining },
+                ..
+            }) => panic!(
+                "attempt {attempts}, {:?} after the restart: quarantined ({remaining:?} left), \
+                 a loss detected where nothing was lost",
+                restarted.elapsed()
+            ),
+            Ok(lease) => panic!(
+                "attempt {attempts}, {:?} after the restart: admitted {} (token {}) while both \
+                 slots are held",
+                restarted.elapsed(),
+                lease.task_id(),
+                lease.fencing_token()
+            ),
+            Err(e) => panic!(
+                "attempt {attempts}, {:?} after the restart: {e:?}",
+                restarted.elapsed()
+            ),
+        }
+        tokio::time::sleep(ATTEMPT_EVERY).await;
+    }
+    println!(
+        "{full} of {attempts} attempts answered full (no slot) in the {WATCH:?} after the restart"
+    );
+    assert!(attempts >= 10, "only {attempts} attempts in {WATCH:?}");
+
+    for lease in [&a, &b] {
+        assert_eq!(lease.lost_reason(), None, "{} was lost", lease.task_id());
+        assert!(lease.is_held(), "{}", lease.task_id());
+    }
+    // Renewed through the restart: the stored deadline moved on by more than the time watched
+    // minus one ttl (it would have stayed put, and expired, without renewals).
+    let moved = score(&server, &keys.leases, "a") - score_a;
+    println!("a's stored deadline moved {moved} ms");
+    assert!(moved >= (WATCH - TTL).as_millis() as f64, "{moved}");
+    assert_eq!(field(&server, &keys.epoch, "id").as_ref(), Some(&epoch));
+    assert_eq!(
+        server.command(&["EXISTS", &keys.quarantine]).as_int(),
+        Some(0)
+    );
+    let status = holders.status().await.unwrap();
+    assert_eq!(status.holders.len(), 2);
+
+    a.release().await.unwrap();
+    b.release().await.unwrap();
+    assert_eq!(server.command(&["ZCARD", &keys.leases]).as_int(), Some(0));
+    drop(server);
+}
