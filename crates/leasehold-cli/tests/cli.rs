@@ -238,13 +238,13 @@ fn a_waiting_run_keeps_waiting_through_a_short_redis_outage() {
         "holder",
         &["sleep", "4"],
     );
-    let before = connections(&server);
-    let mut waiter = leasehold(&server.url(), "blip")
-        .args(["run", "--limit", "1", "--wait", "60s", "--", "true"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_connected(&server, before);
+    let mut waiter = spawn_refused(
+        &server,
+        "blip",
+        leasehold(&server.url(), "blip")
+            .args(["run", "--limit", "1", "--wait", "60s", "--", "true"])
+            .stderr(Stdio::piped()),
+    );
     std::thread::sleep(Duration::from_millis(300));
     server.pause();
     std::thread::sleep(Duration::from_millis(2500));
@@ -261,7 +261,7 @@ fn a_waiting_run_keeps_waiting_through_a_short_redis_outage() {
 #[test]
 fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
     let server = RedisServer::start();
-    let mut holder = spawn_holder(
+    let holder = spawn_holder(
         &server,
         "paused",
         &["--limit", "1", "--ttl", "30s"],
@@ -269,20 +269,17 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
         &["sleep", "30"],
     );
     let waiter = |wait: &str| {
-        leasehold(&server.url(), "paused")
-            .args(["run", "--limit", "1", "--wait", wait, "--", "true"])
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+        let mut cmd = leasehold(&server.url(), "paused");
+        cmd.args(["run", "--limit", "1", "--wait", wait, "--", "true"])
+            .stderr(Stdio::piped());
+        cmd
     };
     // Paused early in the wait, and within its last call timeout (no attempt failed before the
     // wait ran out).
     for (wait, pause_after) in [("2s", 300), ("3s", 2300)] {
-        let before = connections(&server);
-        let mut run = waiter(wait);
-        // Connected before the pause: a run that cannot connect at all is another case (69 at
-        // once, "unreachable" at connect).
-        wait_connected(&server, before);
+        // Connected and refused once before the pause: a run that cannot connect at all is
+        // another case (69 at once, "unreachable" at connect).
+        let mut run = spawn_refused(&server, "paused", &mut waiter(wait));
         std::thread::sleep(Duration::from_millis(pause_after));
         server.pause();
         let code = wait_exit(&mut run, Duration::from_secs(20));
@@ -291,7 +288,7 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
         assert_eq!(code, 69, "--wait {wait}: {text}");
         assert!(text.contains("ran out"), "{text}");
     }
-    let mut run = waiter("1s");
+    let mut run = waiter("1s").spawn_reaped();
     std::thread::sleep(Duration::from_millis(200));
     server.pause();
     std::thread::sleep(Duration::from_millis(400));
@@ -300,8 +297,7 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
     let text = take_stderr(&mut run);
     assert_eq!(code, 75, "{text}");
     assert!(text.contains("within 1s"), "{text}");
-    let _ = holder.kill();
-    let _ = holder.wait();
+    drop(holder);
 }
 
 #[test]

@@ -137,22 +137,30 @@ pub fn spawn_holder(
     child
 }
 
-/// How many connections `server` has, this query's own included.
-pub fn connections(server: &RedisServer) -> usize {
-    server
-        .command(&["CLIENT", "LIST"])
-        .as_string()
-        .map_or(0, |list| list.lines().count())
+/// The key the acquire script sets when it refuses a run: someone is waiting in `quota`.
+fn waiting_key(quota: &str) -> String {
+    format!("leasehold:{{{quota}}}:waiting")
 }
 
-/// Waits (bounded) until `server` has more connections than `before`: a process started since
-/// has connected, so a fault injected now meets it connected.
-pub fn wait_connected(server: &RedisServer, before: usize) {
+/// Starts `cmd`, a `leasehold run` that will find `quota` full, and returns it once Redis has
+/// refused its first attempt (bounded): it has connected and is waiting, so a fault injected
+/// now meets it connected and mid-wait. Only for a quota nobody else is refused in meanwhile.
+pub fn spawn_refused(server: &RedisServer, quota: &str, cmd: &mut Command) -> Reaped {
+    let key = waiting_key(quota);
+    server.command(&["DEL", &key]);
+    let mut child = cmd.spawn_reaped();
     let end = Instant::now() + Duration::from_secs(10);
-    while connections(server) <= before {
-        assert!(Instant::now() < end, "nothing connected");
+    while server.command(&["EXISTS", &key]).as_int() != Some(1) {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("leasehold ended ({status}) before Redis refused it");
+        }
+        assert!(
+            Instant::now() < end,
+            "Redis saw no refused attempt in {quota} within 10 s"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
+    child
 }
 
 /// What a child spawned with a piped stderr wrote there, once it has exited.
