@@ -1,31 +1,30 @@
 //! The built `leasehold` binary, as separate processes, against a private redis-server.
 
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
 
 use common::*;
-use leasehold_testkit::{free_port, temp_dir, RedisServer};
+use leasehold_testkit::{free_port, RedisServer};
 
 #[test]
 fn ten_runs_on_limit_three_never_overlap_more_than_three() {
     let server = RedisServer::start();
-    let dir = temp_dir("leasehold-cli-overlap");
+    let dir = TempDir::new("leasehold-cli-overlap");
     let log = dir.join("log");
     let script = format!(
         r#"echo "$LEASEHOLD_TASK_ID start $(date +%s%N)" >> {0}; sleep 0.3; echo "$LEASEHOLD_TASK_ID end $(date +%s%N)" >> {0}"#,
         log.display()
     );
-    let runs: Vec<Child> = (0..10)
+    let runs: Vec<Reaped> = (0..10)
         .map(|_| {
             leasehold(&server.url(), "overlap")
                 .args([
                     "run", "--limit", "3", "--ttl", "3s", "--", "sh", "-c", &script,
                 ])
-                .spawn()
-                .unwrap()
+                .spawn_reaped()
         })
         .collect();
     for mut run in runs {
@@ -49,7 +48,6 @@ fn ten_runs_on_limit_three_never_overlap_more_than_three() {
     }
     println!("10 runs, limit 3: maximum overlap {max}");
     assert!(max <= 3, "{max} commands ran at once");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -74,7 +72,7 @@ fn the_commands_exit_code_propagates_and_a_full_quota_exits_75_at_once() {
         "killed by SIGKILL, like its command"
     );
     assert_eq!(shell_code(out.status), 128 + 9);
-    let mut holder = spawn_holder(
+    let holder = spawn_holder(
         &server,
         "codes",
         &["--limit", "1"],
@@ -91,14 +89,13 @@ fn the_commands_exit_code_propagates_and_a_full_quota_exits_75_at_once() {
         ["run", "--limit", "1", "--wait", "300ms", "--", "true"],
     );
     assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
-    holder.kill().unwrap();
-    holder.wait().unwrap();
+    drop(holder);
 }
 
 #[test]
 fn a_sigkilled_run_and_its_command_free_the_slot_one_ttl_later() {
     let server = RedisServer::start();
-    let dir = temp_dir("leasehold-cli-kill");
+    let dir = TempDir::new("leasehold-cli-kill");
     let pidfile = dir.join("pid");
     let mut victim = spawn_holder(
         &server,
@@ -131,7 +128,6 @@ fn a_sigkilled_run_and_its_command_free_the_slot_one_ttl_later() {
     println!("slot of a SIGKILLed `leasehold run` reused after {reuse:?} (ttl 1s)");
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(reuse < Duration::from_secs(3), "{reuse:?}");
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 fn cancel_run(server: &RedisServer, quota: &str, command: &[&str], grace: &str) -> (i32, Duration) {
@@ -148,8 +144,7 @@ fn cancel_run(server: &RedisServer, quota: &str, command: &[&str], grace: &str) 
         ])
         .args(command)
         .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+        .spawn_reaped();
     wait_held(server, quota, "job");
     std::thread::sleep(Duration::from_millis(200)); // let the command start
     let cancelled = Instant::now();
@@ -243,13 +238,13 @@ fn a_waiting_run_keeps_waiting_through_a_short_redis_outage() {
         "holder",
         &["sleep", "4"],
     );
-    let before = connections(&server);
-    let mut waiter = leasehold(&server.url(), "blip")
-        .args(["run", "--limit", "1", "--wait", "60s", "--", "true"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_connected(&server, before);
+    let mut waiter = spawn_refused(
+        &server,
+        "blip",
+        leasehold(&server.url(), "blip")
+            .args(["run", "--limit", "1", "--wait", "60s", "--", "true"])
+            .stderr(Stdio::piped()),
+    );
     std::thread::sleep(Duration::from_millis(300));
     server.pause();
     std::thread::sleep(Duration::from_millis(2500));
@@ -266,7 +261,7 @@ fn a_waiting_run_keeps_waiting_through_a_short_redis_outage() {
 #[test]
 fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
     let server = RedisServer::start();
-    let mut holder = spawn_holder(
+    let holder = spawn_holder(
         &server,
         "paused",
         &["--limit", "1", "--ttl", "30s"],
@@ -274,20 +269,17 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
         &["sleep", "30"],
     );
     let waiter = |wait: &str| {
-        leasehold(&server.url(), "paused")
-            .args(["run", "--limit", "1", "--wait", wait, "--", "true"])
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+        let mut cmd = leasehold(&server.url(), "paused");
+        cmd.args(["run", "--limit", "1", "--wait", wait, "--", "true"])
+            .stderr(Stdio::piped());
+        cmd
     };
     // Paused early in the wait, and within its last call timeout (no attempt failed before the
     // wait ran out).
     for (wait, pause_after) in [("2s", 300), ("3s", 2300)] {
-        let before = connections(&server);
-        let mut run = waiter(wait);
-        // Connected before the pause: a run that cannot connect at all is another case (69 at
-        // once, "unreachable" at connect).
-        wait_connected(&server, before);
+        // Connected and refused once before the pause: a run that cannot connect at all is
+        // another case (69 at once, "unreachable" at connect).
+        let mut run = spawn_refused(&server, "paused", &mut waiter(wait));
         std::thread::sleep(Duration::from_millis(pause_after));
         server.pause();
         let code = wait_exit(&mut run, Duration::from_secs(20));
@@ -296,7 +288,7 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
         assert_eq!(code, 69, "--wait {wait}: {text}");
         assert!(text.contains("ran out"), "{text}");
     }
-    let mut run = waiter("1s");
+    let mut run = waiter("1s").spawn_reaped();
     std::thread::sleep(Duration::from_millis(200));
     server.pause();
     std::thread::sleep(Duration::from_millis(400));
@@ -305,46 +297,47 @@ fn a_wait_that_runs_out_during_an_outage_exits_69_and_after_it_75() {
     let text = take_stderr(&mut run);
     assert_eq!(code, 75, "{text}");
     assert!(text.contains("within 1s"), "{text}");
-    let _ = holder.kill();
-    let _ = holder.wait();
+    drop(holder);
 }
 
 #[test]
 fn status_shows_the_quarantine_after_redis_lost_the_quota() {
     let server = RedisServer::start();
-    let mut run = spawn_holder(
+    // A quarantine of one ttl, 30 s: far longer than the two status calls below take even on a
+    // slow machine, so it is still on when they look.
+    let quarantine = Duration::from_secs(30);
+    let run = spawn_holder(
         &server,
         "lost",
-        &["--limit", "2", "--ttl", "3s", "--heartbeat", "200ms"],
+        &["--limit", "2", "--ttl", "30s", "--heartbeat", "200ms"],
         "survivor",
-        &["sleep", "30"],
+        &["sleep", "60"],
     );
     server.command(&["FLUSHALL"]);
     // The holder's next renewal finds its lease gone with the epoch it knew: it re-registers
-    // and starts the quarantine (one ttl, 3 s).
+    // and starts the quarantine.
     wait_held(&server, "lost", "survivor");
-    let re_registered = Instant::now();
     let json = run_cli(&server.url(), "lost", ["status", "--json", "--limit", "2"]);
     let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
-    // Unless this machine took the whole quarantine to run one status.
-    if re_registered.elapsed() < Duration::from_millis(2500) {
-        let left = doc["quarantine_ms"].as_u64();
-        assert!(left.is_some_and(|ms| ms > 0 && ms <= 3000), "{doc}");
-        assert_eq!(
-            (doc["held"].as_u64(), doc["free"].as_u64()),
-            (Some(1), Some(0))
-        );
-    }
+    let left = doc["quarantine_ms"].as_u64();
+    assert!(
+        left.is_some_and(|ms| ms > 0 && ms <= quarantine.as_millis() as u64),
+        "{doc}"
+    );
+    assert_eq!(
+        (doc["held"].as_u64(), doc["free"].as_u64()),
+        (Some(1), Some(0)),
+        "the quarantine holds the slot Redis forgot: {doc}"
+    );
     let table = run_cli(&server.url(), "lost", ["status", "--limit", "2"]);
     let text = String::from_utf8_lossy(&table.stdout);
     println!("{text}");
-    // Unless the quarantine ran out between the two calls.
     assert!(
-        text.contains("quarantined for ") || text.contains("free 1"),
+        text.contains("1 held, limit 2") && text.contains(", free 0"),
         "{text}"
     );
-    let _ = run.kill();
-    let _ = run.wait();
+    assert!(text.contains("quarantined for "), "{text}");
+    drop(run);
 }
 
 #[test]
@@ -457,7 +450,7 @@ fn bad_input_gets_one_line_and_a_non_zero_exit_never_a_panic() {
 fn a_command_that_cannot_start_leaves_no_slot_held() {
     let server = RedisServer::start();
     let url = server.url();
-    let dir = temp_dir("leasehold-cli-unstartable");
+    let dir = TempDir::new("leasehold-cli-unstartable");
     // A file without execute permission (not a system file: their modes vary by machine).
     let plain = dir.join("not-executable");
     std::fs::write(&plain, "echo ran\n").unwrap();
@@ -475,7 +468,6 @@ fn a_command_that_cannot_start_leaves_no_slot_held() {
             "{command}: the slot stayed held after the run exited"
         );
     }
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -488,7 +480,7 @@ fn a_signal_while_waiting_leaves_no_late_admission_behind() {
     holder
         .args(["run", "--task-id", "holder"])
         .args(&run_sleep[1..]);
-    let mut holder = holder.spawn().unwrap();
+    let mut holder = holder.spawn_reaped();
     // Its signal handlers are in place once it holds the slot.
     wait_held(&server, quota, "holder");
     let mut waiters = Vec::new();
@@ -497,7 +489,7 @@ fn a_signal_while_waiting_leaves_no_late_admission_behind() {
     for _ in 0..4 {
         let mut waiter = leasehold(&url, quota);
         waiter.args(run_sleep).stderr(Stdio::null());
-        waiters.push(waiter.spawn().unwrap());
+        waiters.push(waiter.spawn_reaped());
     }
     std::thread::sleep(Duration::from_millis(500));
     unsafe { libc::kill(holder.id() as i32, libc::SIGTERM) };
@@ -610,7 +602,7 @@ fn output_that_cannot_be_written_is_reported_not_panicked() {
 
     let mut status = leasehold(&server.url(), "out");
     status.arg("status").stdout(full()).stderr(Stdio::piped());
-    let out = wait_output(status.spawn().unwrap(), Duration::from_secs(30));
+    let out = wait_output(status.spawn_reaped(), Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(74), "{}", stderr(&out));
     assert_eq!(
         stderr(&out).trim_end().lines().count(),
@@ -624,7 +616,7 @@ fn output_that_cannot_be_written_is_reported_not_panicked() {
     drop(reader);
     let mut closed = leasehold(&server.url(), "out");
     closed.arg("status").stdout(writer).stderr(Stdio::piped());
-    let out = wait_output(closed.spawn().unwrap(), Duration::from_secs(30));
+    let out = wait_output(closed.spawn_reaped(), Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(74));
     assert_eq!(stderr(&out), "", "a closed pipe is not worth a message");
 
@@ -635,7 +627,7 @@ fn output_that_cannot_be_written_is_reported_not_panicked() {
         .args(["release", "h"])
         .stdout(full())
         .stderr(Stdio::piped());
-    let out = wait_output(release.spawn().unwrap(), Duration::from_secs(30));
+    let out = wait_output(release.spawn_reaped(), Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(stderr(&out).contains("cannot write"), "{}", stderr(&out));
     assert_eq!(holders(&server, "out"), 0);

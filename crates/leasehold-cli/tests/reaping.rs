@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use leasehold_testkit::{temp_dir, RedisServer};
+use leasehold_testkit::RedisServer;
 
 #[test]
 fn a_leftover_that_ended_but_was_never_reaped_does_not_hold_the_slot() {
@@ -16,7 +16,7 @@ fn a_leftover_that_ended_but_was_never_reaped_does_not_hold_the_slot() {
     // SAFETY: prctl(2) setting a flag on this process; no memory involved.
     assert_eq!(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) }, 0);
     let server = RedisServer::start();
-    let dir = temp_dir("leasehold-reaping");
+    let dir = TempDir::new("leasehold-reaping");
     let pidfile = dir.join("pid");
     let script = format!("sleep 60 & echo $! > {}; exit 0", pidfile.display());
     let grace = Duration::from_secs(20);
@@ -45,5 +45,4 @@ fn a_leftover_that_ended_but_was_never_reaped_does_not_hold_the_slot() {
     println!("run with a zombie leftover ended after {took:?} (grace {grace:?})");
     // SAFETY: waitpid(2) on our own (adopted) child, reaping it; no memory beyond the status.
     unsafe { libc::waitpid(leftover, std::ptr::null_mut(), 0) };
-    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -297,15 +297,42 @@ async fn a_sample_does_not_wait_for_the_admissions_in_flight() {
     proxy.set_latency(Duration::from_millis(100));
     let stop = CancellationToken::new();
     let tasks = serve_all(&world, 0..8, &stop);
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Wait (bounded) until an admission is in flight: Redis counted an INCR whose reply the
+    // world has not seen yet. Redis is read first (straight, not through the proxy), so the
+    // admission was still on its way when the tally was read. At most one admission is done
+    // then: six or more, 1.2 s, are still to come.
+    let end = Instant::now() + Duration::from_secs(10);
+    let in_flight = loop {
+        let counted = tokio::task::block_in_place(|| server.command(&["GET", COUNTER_KEY]))
+            .as_string()
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+        let admitted = world.tally().admitted;
+        if counted > admitted && admitted <= 1 {
+            break admitted;
+        }
+        assert!(
+            Instant::now() < end && admitted <= 1,
+            "no admission seen in flight: Redis counted {counted}, {:?}",
+            world.tally()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
     let asked = Instant::now();
     let sample = tokio::time::timeout(Duration::from_secs(10), world.sample())
         .await
         .expect("a sample within 10 s");
     let took = asked.elapsed();
+    // Not queued: the sample's own call, 200 ms. Queued behind the admissions: 1.4 s or more
+    // (the six or more still to come, then its own call). 1 s leaves 800 ms for a loaded
+    // machine and is still 400 ms short of queueing.
     assert!(
-        took < Duration::from_millis(900),
-        "the sample took {took:?}: it queued behind the 8 admissions ({sample:?})"
+        took < Duration::from_secs(1),
+        "the sample took {took:?}: it queued behind the admissions ({sample:?})"
+    );
+    assert!(
+        sample.tally.admitted < 8,
+        "the sample saw all 8 admitted: it waited for them ({in_flight} were at its start)"
     );
     let end = Instant::now() + Duration::from_secs(10);
     while world.tally().admitted < 8 {

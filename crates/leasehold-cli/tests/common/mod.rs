@@ -2,13 +2,86 @@
 //! every wait bounded in time.
 #![allow(dead_code)] // each test file uses its own subset
 
-use std::path::Path;
+use std::ops::{Deref, DerefMut};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use leasehold_testkit::RedisServer;
 
 pub mod terminal;
+
+/// A child process killed and reaped when dropped: a test that panics leaves no `leasehold`
+/// (nor, through its supervision, its command) running behind it.
+pub struct Reaped(Option<Child>);
+
+impl Reaped {
+    /// The child, no longer killed on drop (to wait for its output, say).
+    pub fn into_inner(mut self) -> Child {
+        self.0.take().expect("a child until dropped")
+    }
+}
+
+impl Deref for Reaped {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        self.0.as_ref().expect("a child until dropped")
+    }
+}
+
+impl DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Child {
+        self.0.as_mut().expect("a child until dropped")
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// `Command::spawn` returning a [`Reaped`] child.
+pub trait SpawnReaped {
+    fn spawn_reaped(&mut self) -> Reaped;
+}
+
+impl SpawnReaped for Command {
+    fn spawn_reaped(&mut self) -> Reaped {
+        Reaped(Some(self.spawn().expect("spawn")))
+    }
+}
+
+/// A fresh temporary directory, removed with its contents when dropped (on a panic too).
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        TempDir(leasehold_testkit::temp_dir(prefix))
+    }
+}
+
+impl Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 pub fn leasehold(url: &str, quota: &str) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasehold"));
@@ -20,8 +93,7 @@ pub fn leasehold(url: &str, quota: &str) -> Command {
 
 pub fn output(mut cmd: Command) -> Output {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let child = cmd.spawn().expect("spawn leasehold");
-    wait_output(child, Duration::from_secs(30))
+    wait_output(cmd.spawn_reaped(), Duration::from_secs(30))
 }
 
 /// Runs `leasehold ARGS` against `url` and `quota` to the end (bounded) and returns its output.
@@ -52,7 +124,7 @@ pub fn spawn_holder(
     run_args: &[&str],
     task: &str,
     command: &[&str],
-) -> Child {
+) -> Reaped {
     let child = leasehold(&server.url(), quota)
         .arg("run")
         .args(run_args)
@@ -60,28 +132,35 @@ pub fn spawn_holder(
         .args(command)
         // Read by the tests that check what it says; a few lines fit in the pipe's buffer.
         .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .spawn_reaped();
     wait_held(server, quota, task);
     child
 }
 
-/// How many connections `server` has, this query's own included.
-pub fn connections(server: &RedisServer) -> usize {
-    server
-        .command(&["CLIENT", "LIST"])
-        .as_string()
-        .map_or(0, |list| list.lines().count())
+/// The key the acquire script sets when it refuses a run: someone is waiting in `quota`.
+fn waiting_key(quota: &str) -> String {
+    format!("leasehold:{{{quota}}}:waiting")
 }
 
-/// Waits (bounded) until `server` has more connections than `before`: a process started since
-/// has connected, so a fault injected now meets it connected.
-pub fn wait_connected(server: &RedisServer, before: usize) {
+/// Starts `cmd`, a `leasehold run` that will find `quota` full, and returns it once Redis has
+/// refused its first attempt (bounded): it has connected and is waiting, so a fault injected
+/// now meets it connected and mid-wait. Only for a quota nobody else is refused in meanwhile.
+pub fn spawn_refused(server: &RedisServer, quota: &str, cmd: &mut Command) -> Reaped {
+    let key = waiting_key(quota);
+    server.command(&["DEL", &key]);
+    let mut child = cmd.spawn_reaped();
     let end = Instant::now() + Duration::from_secs(10);
-    while connections(server) <= before {
-        assert!(Instant::now() < end, "nothing connected");
+    while server.command(&["EXISTS", &key]).as_int() != Some(1) {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("leasehold ended ({status}) before Redis refused it");
+        }
+        assert!(
+            Instant::now() < end,
+            "Redis saw no refused attempt in {quota} within 10 s"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
+    child
 }
 
 /// What a child spawned with a piped stderr wrote there, once it has exited.
@@ -91,16 +170,18 @@ pub fn take_stderr(child: &mut Child) -> String {
     text
 }
 
-pub fn wait_output(mut child: Child, within: Duration) -> Output {
+/// Waits (bounded) for `child` to end and returns its output; on a timeout, the panic drops
+/// (kills and reaps) it.
+pub fn wait_output(mut child: Reaped, within: Duration) -> Output {
     let end = Instant::now() + within;
     while child.try_wait().unwrap().is_none() {
-        if Instant::now() > end {
-            let _ = child.kill();
-            panic!("leasehold did not finish within {within:?}");
-        }
+        assert!(
+            Instant::now() <= end,
+            "leasehold did not finish within {within:?}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
-    child.wait_with_output().unwrap()
+    child.into_inner().wait_with_output().unwrap()
 }
 
 /// The code a shell reports for `status`: the exit code, or 128 + N for a death by signal N.

@@ -89,10 +89,11 @@ impl InTerminal {
             if let Some(status) = self.child.try_wait().unwrap() {
                 break status;
             }
-            if Instant::now() > end {
-                let _ = self.child.kill();
-                panic!("the command in the terminal did not finish within {within:?}");
-            }
+            // On a timeout, the panic drops (kills and reaps) the session leader.
+            assert!(
+                Instant::now() <= end,
+                "the command in the terminal did not finish within {within:?}"
+            );
             std::thread::sleep(Duration::from_millis(10));
         };
         let left = end.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
@@ -104,6 +105,15 @@ impl InTerminal {
             status,
             text: String::from_utf8_lossy(&shown).into_owned(),
         }
+    }
+}
+
+/// A test that panics kills and reaps the session leader (`leasehold run` then ends its
+/// command); after [`InTerminal::wait`] it is already reaped and this does nothing.
+impl Drop for InTerminal {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
