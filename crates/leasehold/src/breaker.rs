@@ -82,10 +82,15 @@ impl Breaker {
     }
 
     pub(crate) fn mode(&self) -> BreakerMode {
+        self.mode_at(Instant::now())
+    }
+
+    /// [`mode`](Self::mode) as of `now`.
+    fn mode_at(&self, now: Instant) -> BreakerMode {
         let state = self.lock();
         match state.open_until {
             None => BreakerMode::Closed,
-            Some(until) if Instant::now() < until => BreakerMode::Open,
+            Some(until) if now < until => BreakerMode::Open,
             Some(_) => BreakerMode::HalfOpen,
         }
     }
@@ -93,10 +98,15 @@ impl Breaker {
     /// Whether the next call may go to the backend. After the cool-down, exactly one caller
     /// gets through as the probe.
     pub(crate) fn permit(&self) -> Permit {
+        self.permit_at(Instant::now())
+    }
+
+    /// [`permit`](Self::permit) as of `now`.
+    fn permit_at(&self, now: Instant) -> Permit {
         let mut state = self.lock();
         match state.open_until {
             None => Permit::Call,
-            Some(until) if Instant::now() < until || state.probing => Permit::Reject,
+            Some(until) if now < until || state.probing => Permit::Reject,
             Some(_) => {
                 state.probing = true;
                 Permit::Call
@@ -119,11 +129,16 @@ impl Breaker {
     /// failure was seen do not count again: one failed batch (or one blip seen by many concurrent
     /// calls) is one failure, so only consecutive rounds of failures open the circuit.
     pub(crate) fn failure(&self, sent: Instant) {
+        self.failure_at(sent, Instant::now())
+    }
+
+    /// [`failure`](Self::failure), seen at `now`.
+    fn failure_at(&self, sent: Instant, now: Instant) {
         let mut state = self.lock();
         if state.failed_at.is_some_and(|at| sent < at) {
             return;
         }
-        state.failed_at = Some(Instant::now());
+        state.failed_at = Some(now);
         state.failures += 1;
         if state.probing || state.failures >= self.config.failures_to_open {
             if state.open_until.is_none() {
@@ -133,7 +148,7 @@ impl Breaker {
                 .config
                 .cool_down
                 .mul_f64(rand::rng().random_range(0.5..1.5));
-            state.open_until = Some(Instant::now() + jittered);
+            state.open_until = Some(now + jittered);
             state.probing = false;
         }
     }
@@ -145,29 +160,40 @@ mod tests {
 
     #[test]
     fn opens_after_consecutive_failures_and_probes_once_after_the_cool_down() {
+        let cool_down = Duration::from_millis(200);
         let b = Breaker::new(BreakerConfig {
             failures_to_open: 2,
-            // Long enough that a preempted test thread (tens of ms) still sees the circuit open.
-            cool_down: Duration::from_millis(200),
+            cool_down,
         });
-        b.failure(Instant::now());
-        assert_eq!(b.mode(), BreakerMode::Closed);
+        // Explicit instants: the cool-down is jittered within [0.5, 1.5) x, so just below half
+        // of it the circuit is surely open, and at 1.5 x it is surely over.
+        let surely_open = cool_down / 2 - Duration::from_millis(1);
+        let surely_over = cool_down * 3 / 2;
+        let t0 = Instant::now();
+        b.failure_at(t0, t0);
+        assert_eq!(b.mode_at(t0), BreakerMode::Closed);
         b.success(); // not consecutive
-        b.failure(Instant::now());
-        b.failure(Instant::now());
-        assert_eq!(b.mode(), BreakerMode::Open);
-        assert_eq!(b.permit(), Permit::Reject);
-        std::thread::sleep(Duration::from_millis(320)); // > 1.5 x cool-down
-        assert_eq!(b.mode(), BreakerMode::HalfOpen);
-        assert_eq!(b.permit(), Permit::Call, "one probe");
-        assert_eq!(b.permit(), Permit::Reject, "only one");
-        b.failure(Instant::now()); // the probe failed
-        assert_eq!(b.mode(), BreakerMode::Open);
-        std::thread::sleep(Duration::from_millis(320));
-        assert_eq!(b.permit(), Permit::Call);
+        let t1 = t0 + Duration::from_millis(1);
+        b.failure_at(t1, t1);
+        let t2 = t1 + Duration::from_millis(1);
+        b.failure_at(t2, t2);
+        assert_eq!(b.mode_at(t2), BreakerMode::Open);
+        assert_eq!(b.permit_at(t2), Permit::Reject);
+        assert_eq!(b.mode_at(t2 + surely_open), BreakerMode::Open);
+        assert_eq!(b.permit_at(t2 + surely_open), Permit::Reject);
+        let t3 = t2 + surely_over;
+        assert_eq!(b.mode_at(t3), BreakerMode::HalfOpen);
+        assert_eq!(b.permit_at(t3), Permit::Call, "one probe");
+        assert_eq!(b.permit_at(t3), Permit::Reject, "only one");
+        let t4 = t3 + Duration::from_millis(1);
+        b.failure_at(t3, t4); // the probe failed
+        assert_eq!(b.mode_at(t4), BreakerMode::Open);
+        assert_eq!(b.permit_at(t4 + surely_open), Permit::Reject);
+        let t5 = t4 + surely_over;
+        assert_eq!(b.permit_at(t5), Permit::Call);
         b.success();
-        assert_eq!(b.mode(), BreakerMode::Closed);
-        assert_eq!(b.permit(), Permit::Call);
+        assert_eq!(b.mode_at(t5), BreakerMode::Closed);
+        assert_eq!(b.permit_at(t5), Permit::Call);
     }
 
     #[test]

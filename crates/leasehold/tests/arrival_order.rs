@@ -13,28 +13,33 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::counting::Counting;
 use common::switchable::Switchable;
 use leasehold::Quota;
 
 struct Race {
     quota: Quota,
     backend: Arc<Switchable>,
+    /// The quota's backend: `backend`, counting refusals.
+    counting: Arc<Counting>,
     order: Arc<Mutex<Vec<&'static str>>>,
 }
 
 impl Race {
     fn new(name: &str) -> Race {
         let backend = Arc::new(Switchable::default());
+        let counting = Counting::new(backend.clone());
         let quota = Quota::builder(name)
             .limit(1)
             .ttl(Duration::from_secs(10))
             .poll_interval(Duration::from_secs(1))
-            .shared_backend(backend.clone())
+            .shared_backend(counting.clone())
             .build()
             .unwrap();
         Race {
             quota,
             backend,
+            counting,
             order: Arc::default(),
         }
     }
@@ -63,9 +68,17 @@ async fn the_head_out_on_its_poll_keeps_its_turn() {
     let race = Race::new("order-head");
     let holder = race.quota.try_acquire("holder").await.unwrap();
     let a = race.waiter("a");
-    tokio::time::sleep(Duration::from_millis(30)).await; // a: refused once, head of the line
+    // a: refused once, head of the line.
+    assert!(
+        race.counting
+            .all_refused(&["a"], Duration::from_secs(5))
+            .await,
+        "a's first attempt was answered full"
+    );
     let b = race.waiter("b");
-    tokio::time::sleep(Duration::from_millis(30)).await; // b: refused, behind a
+    // b joins the line behind a without an attempt of its own (nothing to observe from here).
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(!a.is_finished() && !b.is_finished(), "both wait");
     race.slow("a");
     race.backend.decided_late.notified().await; // a's poll was refused; its answer is on its way
     holder.release().await.unwrap();
@@ -109,11 +122,24 @@ async fn a_release_before_the_subscription_is_in_place_still_wakes_the_waiter() 
     };
     let holder = quota().try_acquire("a").await.unwrap();
     backend.slow_subscribe(true);
-    let waiter = quota();
+    // The waiter's handle, on the same backend (the same identity), counting its refusals.
+    let counting = Counting::new(backend.clone());
+    let waiter = Quota::builder("slow-subscribe")
+        .limit(1)
+        .ttl(Duration::from_secs(30))
+        .poll_interval(Duration::from_secs(10))
+        .shared_backend(counting.clone())
+        .build()
+        .unwrap();
     let started = std::time::Instant::now();
     let b = tokio::spawn(async move { waiter.acquire("b").await });
-    // b was refused; its subscription is still being made when the slot frees.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // b was refused; its subscription (which takes 150 ms) is still being made when the slot
+    // frees.
+    assert!(
+        counting.all_refused(&["b"], Duration::from_secs(5)).await,
+        "b's first attempt was answered full"
+    );
+    assert!(!b.is_finished());
     holder.release().await.unwrap();
     let admitted = tokio::time::timeout(Duration::from_secs(3), b).await;
     assert!(matches!(admitted, Ok(Ok(Ok(_)))), "{admitted:?}");

@@ -7,6 +7,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::counting::Counting;
 use common::Fixture;
 use leasehold::backend::{AcquireReply, LeaseRecord, LimitUpdate, RenewOutcome};
 use leasehold::{Error, LostReason, Misconfiguration, QuotaKeys, VersionedLimit};
@@ -505,17 +506,25 @@ async fn waiter_is_woken_by_a_release_not_by_polling(fx: Fixture) {
         .build()
         .unwrap();
     let holder = quota.try_acquire("holder").await.unwrap();
+    let counting = Counting::new(fx.second_client().await);
     let waiter_quota = fx
         .builder(1, ttl)
         .poll_interval(Duration::from_secs(20))
-        .shared_backend(fx.second_client().await)
+        .shared_backend(counting.clone())
         .build()
         .unwrap();
     let waiter = tokio::spawn(async move {
         let lease = waiter_quota.acquire("waiter").await.unwrap();
         (Instant::now(), lease)
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The waiter was refused and waits: only then does the release test the wake-up.
+    assert!(
+        counting
+            .all_refused(&["waiter"], Duration::from_secs(5))
+            .await,
+        "the waiter's first attempt was answered full"
+    );
+    assert!(!waiter.is_finished());
     let released = Instant::now();
     holder.release().await.unwrap();
     let (admitted, _lease) = tokio::time::timeout(Duration::from_secs(5), waiter)
@@ -559,26 +568,42 @@ async fn waiter_is_admitted_after_an_expiry_by_its_timer(fx: Fixture) {
 }
 
 async fn waiters_are_served_in_arrival_order(fx: Fixture) {
+    let counting = Counting::new(fx.backend.clone());
     let quota = fx
         .builder(1, Duration::from_secs(30)) // no safety-net poll (≤ ttl) inside the test
         .poll_interval(Duration::from_secs(20))
+        .shared_backend(counting.clone())
         .build()
         .unwrap();
     let mut current = quota.try_acquire("first").await.unwrap();
     let order = Arc::new(Mutex::new(Vec::new()));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut waiters = Vec::new();
     for i in 0..5 {
         let quota = quota.clone();
         let order = order.clone();
         let tx = tx.clone();
-        tokio::spawn(async move {
+        waiters.push(tokio::spawn(async move {
             let lease = quota.acquire(&format!("w{i}")).await.unwrap();
             order.lock().unwrap().push(i);
             tx.send(lease).unwrap();
-        });
-        // A clear arrival order: each waiter has made its first attempt and joined the line.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        }));
+        if i == 0 {
+            // The head tried at once and was refused: the line exists.
+            assert!(
+                counting.all_refused(&["w0"], Duration::from_secs(5)).await,
+                "the first waiter was answered full"
+            );
+        } else {
+            // A clear arrival order: each later waiter joins the line without an attempt of its
+            // own (the line is in-process, not observable from here); a wrong order fails below.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "all five wait before the first release"
+    );
     for _ in 0..5 {
         current.release().await.unwrap();
         current = tokio::time::timeout(Duration::from_secs(5), rx.recv())
@@ -662,18 +687,21 @@ async fn renewal_keeps_a_lease_past_its_ttl(fx: Fixture) {
 }
 
 async fn dropped_lease_is_released(fx: Fixture) {
-    let quota = fx.quota(1, TTL);
+    // A ttl far beyond the deadline below: only the release, not an expiry, frees the slot.
+    let ttl = Duration::from_secs(30);
+    let quota = fx.quota(1, ttl);
     let lease = quota.try_acquire("dropped").await.unwrap();
     drop(lease);
+    let deadline = Instant::now() + Duration::from_secs(5);
     let mut free = false;
-    for _ in 0..50 {
+    while Instant::now() < deadline {
         if quota.status().await.unwrap().holders.is_empty() {
             free = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(free, "released in the background well before the ttl");
+    assert!(free, "released in the background, long before the ttl");
     quota.try_acquire("next").await.unwrap();
 }
 
@@ -854,9 +882,11 @@ async fn cancel_reason_reads_the_marker_while_it_lives(fx: Fixture) {
 }
 
 async fn cancel_reaches_a_waiting_task(fx: Fixture) {
+    let counting = Counting::new(fx.backend.clone());
     let quota = fx
         .builder(1, TTL)
         .poll_interval(Duration::from_secs(20))
+        .shared_backend(counting.clone())
         .build()
         .unwrap();
     let _holder = quota.try_acquire("holder").await.unwrap();
@@ -864,7 +894,14 @@ async fn cancel_reaches_a_waiting_task(fx: Fixture) {
         let quota = quota.clone();
         tokio::spawn(async move { quota.acquire("queued").await })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The task was refused and waits in line when the cancel comes.
+    assert!(
+        counting
+            .all_refused(&["queued"], Duration::from_secs(5))
+            .await,
+        "the waiter's first attempt was answered full"
+    );
+    assert!(!waiting.is_finished());
     let canceller = fx
         .builder(1, TTL)
         .shared_backend(fx.second_client().await)
@@ -935,8 +972,8 @@ async fn a_task_acquired_again_right_after_its_drop_holds_a_live_lease(fx: Fixtu
             .acquire_timeout("again", Duration::from_secs(2))
             .await
             .unwrap();
-        // Whatever went out first has been answered by now.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Whatever went out first (the drop's release) has reached the backend.
+        quota.flush().await;
         let holders = quota.status().await.unwrap().holders;
         assert!(
             lease.is_held()
@@ -1010,9 +1047,11 @@ async fn waiters_in_line_all_hear_a_limit_mismatch_at_once(fx: Fixture) {
     // Waiters behind the head poll rarely (4 × the poll interval): they must not each find out
     // at their own next poll that their limit is refused.
     let ttl = Duration::from_secs(20);
+    let counting = Counting::new(fx.backend.clone());
     let quota = fx
         .builder(1, ttl)
         .poll_interval(Duration::from_secs(1))
+        .shared_backend(counting.clone())
         .build()
         .unwrap();
     let _holder = quota.try_acquire("holder").await.unwrap();
@@ -1025,7 +1064,19 @@ async fn waiters_in_line_all_hear_a_limit_mismatch_at_once(fx: Fixture) {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The first of them to join the line tries at once and is refused; the others join behind
+    // it without an attempt of their own (the line is in-process: not observable from here).
+    let ids = ["w0", "w1", "w2"];
+    let refused = common::eventually(Duration::from_secs(5), || {
+        ids.iter().any(|id| counting.refused(id) > 0)
+    })
+    .await;
+    assert!(refused, "the head of the line was answered full");
+    tokio::time::sleep(Duration::from_millis(100)).await; // margin for the others to join
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "all three still wait before the mismatch"
+    );
     // The state is lost, and a client with another limit under the same version stores it first.
     fx.wipe();
     let other = common::quota_with(fx.second_client().await, &fx.name, 2, ttl)

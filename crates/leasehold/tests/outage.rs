@@ -351,12 +351,19 @@ async fn a_cancel_sent_before_the_local_leases_quota_subscribed_again_is_heard()
     let lease = granted_locally(&mut server, &quota, "job").await;
     server.restart();
     // Sent at once: the quota has not subscribed yet (its retry comes within a second).
-    cancel_reaches(
-        &server,
-        "cancel-unheard",
-        "job",
-        &lease,
-        Duration::from_secs(5),
-    )
-    .await;
+    let operator = Quota::builder("cancel-unheard")
+        .limit(2)
+        .ttl(TTL)
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    let channel = "leasehold:{cancel-unheard}:events";
+    assert_eq!(
+        subscribers(&server, channel),
+        0,
+        "the quota subscribed again before the cancel: its message would be heard"
+    );
+    operator.cancel("job", "operator stop").await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
+    assert_eq!(heard, Ok(LostReason::Cancelled("operator stop".into())));
 }

@@ -288,6 +288,13 @@ fn a_process_that_flushes_before_exiting_leaves_no_lease_behind() {
     };
     let unflushed = leftovers("dropped", "no");
     println!("without flush: {unflushed} of 6 dropped leases left held after exit");
+    // The control: without flush, exit races the release on leasehold's thread, and the release
+    // won only about 1 in 6 times when measured (4 to 6 of 6 left held): all six winning is
+    // about 1 in 50 000. Without it, the assertion below would show nothing about flush.
+    assert!(
+        unflushed > 0,
+        "without flush every dropped lease was released anyway: the control shows nothing"
+    );
     assert_eq!(leftovers("flushed", "flush"), 0, "leases left after flush");
 }
 

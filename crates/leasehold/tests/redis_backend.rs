@@ -1018,11 +1018,27 @@ fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
         std::thread::sleep(Duration::from_secs(3)); // this runtime is wedged: nothing runs
         drop(waiter);
     });
+    // The waiter was refused (its refusal left the `waiting` marker) before its runtime wedged.
+    assert!(
+        poll_until(Duration::from_secs(5), || exists(
+            &server,
+            "leasehold:{wedged}:waiting"
+        )),
+        "the waiter's first attempt was answered full"
+    );
     std::thread::sleep(Duration::from_millis(600));
+    let released = Instant::now();
     main.block_on(holder.release()).unwrap();
-    // The release event may win the slot for the wedged waiter, but it must give it back well
-    // before the slot would expire (one ttl): a task that cannot run must not sit on it.
-    std::thread::sleep(ttl / 3);
+    // The release event wins the slot for the wedged waiter (on leasehold's own runtime, which
+    // runs): its admission raised the fence above the holder's token, 1.
+    assert!(
+        poll_until(ttl / 3, || fence(&server, "wedged") >= 2),
+        "the release event admitted the wedged waiter (fence {})",
+        fence(&server, "wedged")
+    );
+    // It must give the slot back well before the slot would expire (one ttl): a task that
+    // cannot run must not sit on it.
+    std::thread::sleep((released + ttl / 3).saturating_duration_since(Instant::now()));
     let other = main.block_on(holders.try_acquire("runnable"));
     let status = main.block_on(holders.status()).unwrap();
     let held: Vec<_> = status.holders.iter().map(|h| h.task_id.clone()).collect();
@@ -1032,6 +1048,31 @@ fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
         "a task that cannot run kept the slot: {held:?}, {other:?}"
     );
     app.join().unwrap();
+}
+
+/// Polls `check` every 5 ms (blocking this thread) until it is true or `within` passes; returns
+/// whether it became true.
+fn poll_until(within: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    check()
+}
+
+fn exists(server: &RedisServer, key: &str) -> bool {
+    server.command(&["EXISTS", key]).as_int() == Some(1)
+}
+
+/// The last fencing token quota `name` handed out (0 if none).
+fn fence(server: &RedisServer, name: &str) -> u64 {
+    server
+        .command(&["GET", &format!("leasehold:{{{name}}}:fence")])
+        .as_string()
+        .map_or(0, |s| s.parse().unwrap())
 }
 
 /// Tries `try_acquire(id)` until it succeeds: the short-circuit may refuse for a while after
@@ -1185,11 +1226,24 @@ fn a_slot_a_wedged_waiter_gives_back_keeps_the_lease_another_caller_shares() {
         std::thread::sleep(Duration::from_secs(1)); // wedged: the waiter cannot take its slot
         drop(waiter);
     });
+    assert!(
+        poll_until(Duration::from_secs(5), || exists(
+            &server,
+            "leasehold:{shared-id}:waiting"
+        )),
+        "the waiter's first attempt was answered full"
+    );
     std::thread::sleep(Duration::from_millis(600));
     main.block_on(holder.release()).unwrap();
     // The release event wins "x" for the wedged waiter; another caller of the same task, on a
     // runtime that runs, shares that admission (`held`).
-    std::thread::sleep(Duration::from_millis(20));
+    assert!(
+        poll_until(Duration::from_secs(2), || server
+            .command(&["ZSCORE", "leasehold:{shared-id}:leases", "x"])
+            .as_string()
+            .is_some()),
+        "the release event admitted the wedged waiter's task"
+    );
     let shared = main.block_on(quota.try_acquire("x")).unwrap();
     // Past the 100 ms grace after which the wedged waiter's slot is given back.
     std::thread::sleep(Duration::from_millis(400));

@@ -66,6 +66,8 @@ fn a_release_during_a_newcomers_first_attempt_wakes_it() {
     let holder = main.block_on(holders.try_acquire("holder")).unwrap();
 
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (warm_tx, warm_rx) = std::sync::mpsc::channel::<()>();
+    let (marker_gone_tx, marker_gone_rx) = std::sync::mpsc::channel::<()>();
     let app = {
         let (proxy, name) = (proxy.clone(), name.clone());
         std::thread::spawn(move || {
@@ -81,6 +83,9 @@ fn a_release_during_a_newcomers_first_attempt_wakes_it() {
                         .unwrap();
                     // Subscribed, scripts loaded; refused once (sets the waiting marker).
                     assert!(waiters.try_acquire("warm").await.is_err());
+                    // The test removes that marker: only the attempt below writes it again.
+                    warm_tx.send(()).unwrap();
+                    marker_gone_rx.recv().unwrap();
                     proxy.set_latency(Duration::from_millis(60));
                     let started = Instant::now();
                     let w = tokio::spawn(async move {
@@ -97,9 +102,20 @@ fn a_release_during_a_newcomers_first_attempt_wakes_it() {
                 })
         })
     };
+    warm_rx.recv().unwrap();
+    server.command(&["DEL", &format!("leasehold:{{{name}}}:waiting")]);
+    marker_gone_tx.send(()).unwrap();
     go_rx.recv().unwrap();
-    // The waiter's acquire ran at Redis ~60 ms after it was sent: release after that.
-    std::thread::sleep(Duration::from_millis(140));
+    // The waiter's acquire ran at Redis ~60 ms after it was sent (it wrote the waiting marker
+    // again when it was refused): release after that, while its reply is on the way back.
+    let end = Instant::now() + Duration::from_secs(5);
+    while !waiting_marker_exists(&server, &name) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        waiting_marker_exists(&server, &name),
+        "the waiter's first attempt reached Redis and was refused"
+    );
     main.block_on(holder.release()).unwrap();
     let released_at = Instant::now();
     let (got, waited) = app.join().unwrap();
@@ -193,9 +209,16 @@ async fn a_release_missed_during_a_reconnect_is_rechecked_after_resubscribing() 
         .await
     );
     tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiter.is_finished(), "the waiter waits before the release");
     proxy.drop_pushes(true);
     holder.release().await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
+    // The release's message was dropped (the proxy does not count what it drops): the waiter,
+    // whose next poll is seconds away, did not hear of the free slot.
+    assert!(
+        !waiter.is_finished(),
+        "the waiter heard the release although its message was to be dropped"
+    );
     proxy.drop_pushes(false);
     let reconnect = Instant::now();
     proxy.drop_connections();

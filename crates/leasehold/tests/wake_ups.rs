@@ -8,17 +8,31 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::counting::Counting;
 use common::Fixture;
 use leasehold::{Lease, Quota};
 use tokio::task::JoinHandle;
 
-/// A quota of `limit` on the memory backend, ttl 30 s, polling every `poll`.
-async fn memory_quota(limit: u64, poll: Duration) -> Quota {
+/// A quota of `limit` on the memory backend, ttl 30 s, polling every `poll`, and its backend,
+/// which counts refusals.
+async fn memory_quota(limit: u64, poll: Duration) -> (Quota, std::sync::Arc<Counting>) {
     let fx = Fixture::memory().await;
-    fx.builder(limit, Duration::from_secs(30))
+    let counting = Counting::new(fx.backend.clone());
+    let quota = fx
+        .builder(limit, Duration::from_secs(30))
         .poll_interval(poll)
+        .shared_backend(counting.clone())
         .build()
-        .unwrap()
+        .unwrap();
+    (quota, counting)
+}
+
+/// Asserts that `id`'s first attempt was answered full (within 5 s).
+async fn assert_refused(counting: &Counting, id: &str) {
+    assert!(
+        counting.all_refused(&[id], Duration::from_secs(5)).await,
+        "{id}'s first attempt was answered full"
+    );
 }
 
 /// A task waiting at most `within` for a slot of `quota` for task `id`.
@@ -39,9 +53,11 @@ fn waiter(
 fn a_second_slot_freed_before_the_only_waiter_runs_is_not_lost_for_a_newcomer() {
     let main = tokio::runtime::Runtime::new().unwrap();
     let fx = main.block_on(Fixture::memory());
+    let counting = Counting::new(fx.backend.clone());
     let quota = fx
         .builder(2, Duration::from_secs(30))
         .poll_interval(Duration::from_secs(5))
+        .shared_backend(counting.clone())
         .build()
         .unwrap();
     let h1 = main.block_on(quota.try_acquire("h1")).unwrap();
@@ -59,7 +75,8 @@ fn a_second_slot_freed_before_the_only_waiter_runs_is_not_lost_for_a_newcomer() 
                     let a = tokio::spawn(async move {
                         quota.acquire_timeout("a", Duration::from_secs(5)).await
                     });
-                    tokio::time::sleep(Duration::from_millis(100)).await; // a: refused, in line
+                    assert_refused(&counting, "a").await; // a: refused, in line
+                    assert!(!a.is_finished());
                     ready_tx.send(()).unwrap();
                     std::thread::sleep(Duration::from_millis(60)); // busy: a cannot run
                     a.await.unwrap()
@@ -95,16 +112,21 @@ fn a_second_slot_freed_before_the_only_waiter_runs_is_not_lost_for_a_newcomer() 
 /// (no slot taken), and its wake-up goes on to `y` instead of being spent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wake_up_spent_on_a_task_that_already_holds_is_passed_on() {
-    let quota = memory_quota(2, Duration::from_secs(5)).await;
+    let (quota, counting) = memory_quota(2, Duration::from_secs(5)).await;
     let h1 = quota.try_acquire("h1").await.unwrap();
     let h2 = quota.try_acquire("h2").await.unwrap();
     let waiter = |id, within| waiter(&quota, id, within);
     let x1 = waiter("x", Duration::from_secs(5));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_refused(&counting, "x").await; // x1: refused, head of the line
+                                          // x2 and y join the line behind x1 without attempts of their own (not observable here).
     let x2 = waiter("x", Duration::from_secs(5));
     tokio::time::sleep(Duration::from_millis(50)).await;
     let y = waiter("y", Duration::from_secs(2));
     tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !x1.is_finished() && !x2.is_finished() && !y.is_finished(),
+        "all three wait before the releases"
+    );
     h1.release().await.unwrap();
     h2.release().await.unwrap();
     let released = Instant::now();
@@ -139,15 +161,25 @@ async fn a_re_check_after_subscribing_keeps_arrival_order() {
         };
         let holder = quota().try_acquire("holder").await.unwrap();
         backend.slow_subscribe(true);
-        let waiters = quota();
+        // The waiters' handle, on the same backend (the same identity), counting refusals.
+        let counting = Counting::new(backend.clone());
+        let waiters = common::quota_with(counting.clone(), &name, 1, Duration::from_secs(30))
+            .poll_interval(Duration::from_secs(10))
+            .build()
+            .unwrap();
         let spawn = |id: &'static str| {
             let q = waiters.clone();
             tokio::spawn(async move { q.acquire_timeout(id, Duration::from_secs(5)).await })
         };
         let a = spawn("a");
-        tokio::time::sleep(Duration::from_millis(20)).await; // a: refused, in line
+        assert_refused(&counting, "a").await; // a: refused, in line
         let b = spawn("b");
-        tokio::time::sleep(Duration::from_millis(20)).await; // b: behind a
+        // b: behind a, without an attempt of its own (not observable from here).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !a.is_finished() && !b.is_finished(),
+            "round {round}: both wait"
+        );
         holder.release().await.unwrap(); // unheard: not subscribed yet
         let first = tokio::select! {
             r = a => { drop(r.unwrap().unwrap()); "a" }
@@ -169,11 +201,11 @@ async fn a_re_check_after_subscribing_keeps_arrival_order() {
 /// wake-up goes on to `b` instead of leaving with `a` (b slept to its poll, 10 s, before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wake_up_spent_on_a_cancelled_waiter_is_passed_on() {
-    let quota = memory_quota(1, Duration::from_secs(10)).await;
+    let (quota, counting) = memory_quota(1, Duration::from_secs(10)).await;
     let h = quota.try_acquire("h").await.unwrap();
     let waiter = |id, within| waiter(&quota, id, within);
     let w0 = waiter("w0", Duration::from_millis(300));
-    tokio::time::sleep(Duration::from_millis(50)).await; // w0: refused, in line
+    assert_refused(&counting, "w0").await; // w0: refused, in line
     assert!(!quota.cancel("a", "stop").await.unwrap());
     let a = waiter("a", Duration::from_secs(5)); // queues behind w0, no attempt yet
     tokio::time::sleep(Duration::from_millis(20)).await;
