@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use leasehold::backend::{AcquireReply, RenewOutcome};
+use leasehold::backend::{AcquireReply, LeaseRecord, RenewOutcome};
 use leasehold::{Backend, Error, Misconfiguration, QuotaKeys, RedisBackend, VersionedLimit};
 use leasehold_testkit::{RedisServer, Reply};
 
@@ -225,26 +225,34 @@ fn malformed_arguments_are_refused_and_change_nothing() {
     assert!(epoch != stale);
 }
 
+/// Admits `id` in a quota of `limit` 3 (version 0) and ttl 10 s; panics unless it is a new
+/// admission.
+async fn admit(backend: &dyn Backend, keys: &QuotaKeys, id: &str) -> LeaseRecord {
+    let reply = backend
+        .acquire_with_limit(keys, id, TTL, LIMIT)
+        .await
+        .unwrap();
+    match reply {
+        AcquireReply::Acquired(lease) => lease,
+        other => panic!("{id} is not admitted: {other:?}"),
+    }
+}
+
+const TTL: Duration = Duration::from_secs(10);
+const LIMIT: VersionedLimit = VersionedLimit {
+    limit: 3,
+    version: 0,
+};
+
 #[tokio::test]
 async fn the_client_hears_a_refused_argument_as_a_protocol_misconfiguration() {
     let server = RedisServer::start();
     let backend = RedisBackend::connect(&server.url()).await.unwrap();
     let keys = QuotaKeys::new("refused").unwrap();
-    let limit = VersionedLimit {
-        limit: 2,
-        version: 0,
-    };
-    let ttl = Duration::from_secs(10);
-    let AcquireReply::Acquired(lease) = backend
-        .acquire_with_limit(&keys, "a", ttl, limit)
-        .await
-        .unwrap()
-    else {
-        panic!("a is admitted")
-    };
+    let lease = admit(&backend, &keys, "a").await;
     // `Backend::renew` is public: a token no admission gave (above 2^53 - 1) is refused whole.
     let refused = backend
-        .renew(&keys, ttl, &lease.epoch, &[("a".into(), u64::MAX)])
+        .renew(&keys, TTL, &lease.epoch, &[("a".into(), u64::MAX)])
         .await;
     assert!(
         matches!(
@@ -254,7 +262,7 @@ async fn the_client_hears_a_refused_argument_as_a_protocol_misconfiguration() {
         "{refused:?}"
     );
     let renewed = backend
-        .renew(&keys, ttl, &lease.epoch, &[("a".into(), lease.token)])
+        .renew(&keys, TTL, &lease.epoch, &[("a".into(), lease.token)])
         .await
         .unwrap();
     assert!(
@@ -264,7 +272,7 @@ async fn the_client_hears_a_refused_argument_as_a_protocol_misconfiguration() {
 
     // The fence at its largest: no token is left to give, and nobody is admitted.
     server.command(&["SET", &key("refused", "fence"), MAX]);
-    let exhausted = backend.acquire_with_limit(&keys, "b", ttl, limit).await;
+    let exhausted = backend.acquire_with_limit(&keys, "b", TTL, LIMIT).await;
     assert!(
         matches!(
             &exhausted,
@@ -294,21 +302,9 @@ async fn a_cancel_marker_of_another_type_fails_no_renewal() {
     let server = RedisServer::start();
     let backend = RedisBackend::connect(&server.url()).await.unwrap();
     let keys = QuotaKeys::new("marker").unwrap();
-    let limit = VersionedLimit {
-        limit: 3,
-        version: 0,
-    };
-    let ttl = Duration::from_secs(10);
     let mut leases = Vec::new();
     for id in ["a", "b"] {
-        let AcquireReply::Acquired(lease) = backend
-            .acquire_with_limit(&keys, id, ttl, limit)
-            .await
-            .unwrap()
-        else {
-            panic!("{id} is admitted")
-        };
-        leases.push(lease);
+        leases.push(admit(&backend, &keys, id).await);
     }
     // Written from outside: b's marker key holds a hash. Acquire reads markers with MGET, which
     // sees no marker there; renew does the same, instead of failing a and b alike (WRONGTYPE).
@@ -318,7 +314,7 @@ async fn a_cancel_marker_of_another_type_fails_no_renewal() {
         .map(|l| (l.task_id.clone(), l.token))
         .collect();
     let renewed = backend
-        .renew(&keys, ttl, &leases[0].epoch, &pairs)
+        .renew(&keys, TTL, &leases[0].epoch, &pairs)
         .await
         .unwrap();
     assert!(
@@ -329,7 +325,7 @@ async fn a_cancel_marker_of_another_type_fails_no_renewal() {
         "{renewed:?}"
     );
     let again = backend
-        .acquire_with_limit(&keys, "b", ttl, limit)
+        .acquire_with_limit(&keys, "b", TTL, LIMIT)
         .await
         .unwrap();
     assert!(matches!(again, AcquireReply::Held(_)), "{again:?}");
@@ -342,22 +338,11 @@ async fn both_backends_refuse_a_token_no_admission_gives() {
         std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
     let memory: std::sync::Arc<dyn Backend> = std::sync::Arc::new(leasehold::MemoryBackend::new());
     let keys = QuotaKeys::new("tokens").unwrap();
-    let ttl = Duration::from_secs(10);
-    let limit = VersionedLimit {
-        limit: 2,
-        version: 0,
-    };
     for (name, backend) in [("redis", redis), ("memory", memory)] {
-        let AcquireReply::Acquired(lease) = backend
-            .acquire_with_limit(&keys, "a", ttl, limit)
-            .await
-            .unwrap()
-        else {
-            panic!("{name}: a is admitted")
-        };
+        let lease = admit(backend.as_ref(), &keys, "a").await;
         for token in [0, 1 << 53, u64::MAX] {
             let refused = backend
-                .renew(&keys, ttl, &lease.epoch, &[("a".into(), token)])
+                .renew(&keys, TTL, &lease.epoch, &[("a".into(), token)])
                 .await;
             assert!(
                 matches!(
@@ -368,7 +353,7 @@ async fn both_backends_refuse_a_token_no_admission_gives() {
             );
         }
         let renewed = backend
-            .renew(&keys, ttl, &lease.epoch, &[("a".into(), lease.token)])
+            .renew(&keys, TTL, &lease.epoch, &[("a".into(), lease.token)])
             .await
             .unwrap();
         assert!(
