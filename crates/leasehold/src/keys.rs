@@ -8,9 +8,13 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest limit a quota may have.
 pub const MAX_LIMIT: u32 = 1_000_000;
 
+/// Largest integer the scripts take (a limit version, a fencing token, a seq): 2^53 − 1, the
+/// last one exact in the Lua numbers (doubles) they compare them as (PROTOCOL.md §2).
+pub(crate) const MAX_SCRIPT_INTEGER: u64 = (1 << 53) - 1;
+
 /// Largest limit version a quota may have: 2^53 − 1, so that the version is exact in the Lua
 /// numbers (doubles) the scripts compare it as.
-pub const MAX_LIMIT_VERSION: u64 = (1 << 53) - 1;
+pub const MAX_LIMIT_VERSION: u64 = MAX_SCRIPT_INTEGER;
 
 /// Largest task id, in bytes.
 pub const MAX_TASK_ID_BYTES: usize = 1024;

@@ -15,7 +15,7 @@ use super::{
     Snapshot, VersionedLimit,
 };
 use crate::error::{Misconfiguration, Result};
-use crate::keys::{QuotaKeys, MAX_LIMIT_VERSION};
+use crate::keys::{QuotaKeys, MAX_LIMIT_VERSION, MAX_SCRIPT_INTEGER};
 
 /// Capacity of each quota's event channel; a slow receiver loses old events (at most once).
 const EVENT_CAPACITY: usize = 1024;
@@ -255,7 +255,7 @@ impl Backend for MemoryBackend {
         // scripts' numbers stop being exact) fails the whole call before anything changes.
         if let Some((id, token)) = leases
             .iter()
-            .find(|(_, t)| *t == 0 || *t > MAX_LIMIT_VERSION)
+            .find(|(_, t)| *t == 0 || *t > MAX_SCRIPT_INTEGER)
         {
             return Err(Misconfiguration::Protocol(format!(
                 "LEASEHOLD invalid token for {id:?}: {token}"
