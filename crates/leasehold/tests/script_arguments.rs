@@ -45,8 +45,28 @@ fn dataset(server: &RedisServer) -> Vec<(Vec<u8>, Vec<u8>)> {
         .collect()
 }
 
-fn acquire_args<'a>(quota: &str, args: [&'a str; 6], ids: &[&'a str]) -> Vec<String> {
-    let mut keys: Vec<String> = [
+/// `EVAL <script>` for `quota`: its keys named by `suffixes`, then the cancel markers of
+/// `marked` task ids, then `args`.
+fn eval(
+    script: &str,
+    quota: &str,
+    suffixes: &[&str],
+    marked: &[&str],
+    args: &[&str],
+) -> Vec<String> {
+    let keys: Vec<String> = suffixes
+        .iter()
+        .map(|s| key(quota, s))
+        .chain(marked.iter().map(|id| key(quota, &format!("cancel:{id}"))))
+        .collect();
+    let mut all = vec!["EVAL".to_owned(), script.to_owned(), keys.len().to_string()];
+    all.extend(keys);
+    all.extend(args.iter().map(|s| s.to_string()));
+    all
+}
+
+fn acquire_args(quota: &str, args: [&str; 6], ids: &[&str]) -> Vec<String> {
+    let suffixes = [
         "leases",
         "holders",
         "fence",
@@ -54,41 +74,26 @@ fn acquire_args<'a>(quota: &str, args: [&'a str; 6], ids: &[&'a str]) -> Vec<Str
         "quarantine",
         "waiting",
         "limit",
-    ]
-    .iter()
-    .map(|s| key(quota, s))
-    .collect();
-    keys.extend(ids.iter().map(|id| key(quota, &format!("cancel:{id}"))));
-    let mut all = vec![
-        "EVAL".to_owned(),
-        ACQUIRE_LUA.to_owned(),
-        keys.len().to_string(),
     ];
-    all.extend(keys);
-    all.extend(args.iter().map(|s| s.to_string()));
-    all.extend(ids.iter().map(|s| s.to_string()));
-    all
+    eval(
+        ACQUIRE_LUA,
+        quota,
+        &suffixes,
+        ids,
+        &[&args[..], ids].concat(),
+    )
 }
 
 fn renew_args(quota: &str, args: [&str; 4], pairs: &[&str]) -> Vec<String> {
-    let mut keys: Vec<String> = ["leases", "holders", "fence", "epoch", "quarantine", "limit"]
-        .iter()
-        .map(|s| key(quota, s))
-        .collect();
-    keys.extend(
-        pairs
-            .chunks(2)
-            .map(|pair| key(quota, &format!("cancel:{}", pair[0]))),
-    );
-    let mut all = vec![
-        "EVAL".to_owned(),
-        RENEW_LUA.to_owned(),
-        keys.len().to_string(),
-    ];
-    all.extend(keys);
-    all.extend(args.iter().map(|s| s.to_string()));
-    all.extend(pairs.iter().map(|s| s.to_string()));
-    all
+    let suffixes = ["leases", "holders", "fence", "epoch", "quarantine", "limit"];
+    let ids: Vec<&str> = pairs.chunks(2).map(|pair| pair[0]).collect();
+    eval(
+        RENEW_LUA,
+        quota,
+        &suffixes,
+        &ids,
+        &[&args[..], pairs].concat(),
+    )
 }
 
 fn run(server: &RedisServer, args: &[String]) -> Reply {
@@ -186,14 +191,7 @@ fn malformed_arguments_are_refused_and_change_nothing() {
     for (limit, version) in [("0", "1"), ("1e3", "1"), ("3", "-1"), ("3", "2.5")] {
         calls.push((
             "set_limit",
-            vec![
-                "EVAL".into(),
-                SET_LIMIT_LUA.into(),
-                "1".into(),
-                key(q, "limit"),
-                limit.into(),
-                version.into(),
-            ],
+            eval(SET_LIMIT_LUA, q, &["limit"], &[], &[limit, version]),
         ));
     }
 
