@@ -7,13 +7,13 @@
 use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use hyper_util::client::legacy::connect::HttpConnector;
-use leasehold_testkit::{free_port, temp_dir};
+use leasehold_testkit::{free_port, temp_dir, Reaped, SpawnReaped};
 use serde_json::{json, Value};
 
 /// The flags that work on a closed network, as root, without a display.
@@ -28,16 +28,6 @@ const CHROMIUM_FLAGS: &[&str] = &[
     "--disable-sync",
     "--window-size=1440,1000",
 ];
-
-/// Ends a spawned process when the test ends, however it ends.
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn on_path(name: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?)
@@ -58,7 +48,7 @@ fn require(name: &str) -> PathBuf {
 /// Starts the demo with fast settings (a crash every fourth task, 1 s ttl, 0.6 s tasks) so
 /// that a few seconds show all three behaviours; returns it and the page's URL.
 fn start_demo() -> (Reaped, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_leasehold"))
         .args([
             "demo",
             "--port",
@@ -72,10 +62,8 @@ fn start_demo() -> (Reaped, String) {
         .env_remove("LEASEHOLD_REDIS_URL")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn leasehold demo");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let demo = Reaped(child);
+        .spawn_reaped();
+    let stdout = demo.stdout.take().expect("piped stdout");
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut line = String::new();
@@ -95,15 +83,12 @@ fn start_demo() -> (Reaped, String) {
 
 fn start_chromedriver(binary: &Path) -> (Reaped, u16) {
     let port = free_port();
-    let driver = Reaped(
-        Command::new(binary)
-            .arg(format!("--port={port}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn chromedriver"),
-    );
+    let driver = Command::new(binary)
+        .arg(format!("--port={port}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn_reaped();
     let end = Instant::now() + Duration::from_secs(20);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(

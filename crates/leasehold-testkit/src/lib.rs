@@ -12,7 +12,8 @@
 //! * [`proxy::FaultProxy`]: a TCP proxy in front of a server with switchable faults
 //!   (latency, stall, dropped connections, partition, lost Pub/Sub deliveries, wedged
 //!   connections, a switchable upstream);
-//! * [`free_port`] and [`temp_dir`]: small helpers.
+//! * [`free_port`] and [`temp_dir`]: small helpers; [`TempDir`] and [`Reaped`]: guards that
+//!   remove a directory and kill a child process when a test ends, a panic included.
 //!
 //! The `redis-server` binary is taken from `PATH`, or from the
 //! `LEASEHOLD_REDIS_SERVER` environment variable when it is set.
@@ -34,11 +35,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 mod clock;
+mod guards;
 pub mod proxy;
 mod resp;
 mod server;
 
 pub use clock::ServerClock;
+pub use guards::{Reaped, SpawnReaped, TempDir};
 pub use resp::Reply;
 pub use server::{RedisServer, REDIS_SERVER_ENV};
 
