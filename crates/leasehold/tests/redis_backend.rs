@@ -53,12 +53,15 @@ async fn a_wrong_typed_key_leaves_no_half_written_lease() {
         ("fence", &["HSET", "f", "1"][..]),
         ("limit", &["SET", "x"][..]),
         ("epoch", &["SET", "x"][..]),
+        ("quarantine", &["HSET", "f", "1"][..]),
     ] {
         let name = format!("typed-{key}");
         let full_key = format!("leasehold:{{{name}}}:{key}");
         let mut set = vec![foreign[0], full_key.as_str()];
         set.extend(&foreign[1..]);
         server.command(&set);
+        // With a TTL, so that reading only the TTL would take it for a quarantine.
+        server.command(&["PEXPIRE", &full_key, "60000"]);
         let quota = quota_on(&server, &name, 5, Duration::from_secs(5)).await;
         let err = quota.try_acquire("t").await.unwrap_err();
         assert!(
@@ -68,6 +71,16 @@ async fn a_wrong_typed_key_leaves_no_half_written_lease() {
             ),
             "{key}: {err:?}"
         );
+        if key == "quarantine" {
+            let err = quota.status().await.unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Misconfigured(Misconfiguration::WrongType { .. })
+                ),
+                "{key}: status {err:?}"
+            );
+        }
         server.command(&["DEL", &full_key]);
         let status = quota.status().await.unwrap();
         assert!(status.holders.is_empty(), "{key}: {:?}", status.holders);

@@ -1,6 +1,7 @@
 //! The scripts refuse malformed arguments (a foreign or buggy client) before they write anything
 //! (PROTOCOL.md §2, §5.1): nothing a bad call sends is stored, a stale call with a bad ttl does
-//! not use up its epoch's one quarantine, and tokens stay exact.
+//! not use up its epoch's one quarantine, and tokens stay exact. Foreign values in the quota's
+//! keys are refused the same way (a quarantine key of another type).
 
 use std::time::Duration;
 
@@ -327,6 +328,36 @@ async fn a_cancel_marker_of_another_type_fails_no_renewal() {
         .await
         .unwrap();
     assert!(matches!(again, AcquireReply::Held(_)), "{again:?}");
+}
+
+/// The quarantine is read by its TTL, which a key of any type has. A foreign hash there, with a
+/// TTL, is WRONGTYPE for a stale renewal too: it does not read as a quarantine in force, so it
+/// re-registers nothing.
+#[test]
+fn a_quarantine_key_of_another_type_re_registers_nothing() {
+    let server = RedisServer::start();
+    let q = "foreign-quarantine";
+    let first = run(
+        &server,
+        &acquire_args(q, ["10000", "3", "", "0", "0", "0"], &["a"]),
+    );
+    assert_eq!(code_of_first_answer(&first), 1, "{first:?}");
+    // This epoch's loss was already detected, so the stale call below starts no quarantine of
+    // its own (which would overwrite the foreign key).
+    server.command(&["HSET", &key(q, "epoch"), "detected_ms", "1"]);
+    server.command(&["HSET", &key(q, "quarantine"), "x", "1"]);
+    server.command(&["PEXPIRE", &key(q, "quarantine"), "60000"]);
+    // A renewal from an earlier epoch, for a lease this store does not have.
+    let stale = run(
+        &server,
+        &renew_args(q, ["10000", "1.1", "0", "0"], &["ghost", "7"]),
+    );
+    match &stale {
+        Reply::Error(e) => assert!(e.contains("WRONGTYPE"), "{e}"),
+        other => panic!("a stale renewal on a foreign quarantine key answered {other:?}"),
+    }
+    let score = server.command(&["ZSCORE", &key(q, "leases"), "ghost"]);
+    assert_eq!(score, Reply::Nil, "ghost was re-registered");
 }
 
 #[tokio::test]

@@ -41,6 +41,10 @@ if not version then return refuse('limit version (ARGV[4])', ARGV[4]) end
 if not integer(ARGV[5], 0, MAX) then return refuse('seq (ARGV[5])', ARGV[5]) end
 if not integer(ARGV[6], 0, MAX) then return refuse('highest token (ARGV[6])', ARGV[6]) end
 if #ARGV < 7 then return refuse('task ids (none given)', '') end
+-- The quarantine is read by its TTL, which any type of key has: a foreign key there (not a
+-- string) fails the call with WRONGTYPE before anything is written, instead of reading as a
+-- quarantine. renew.lua and snapshot.lua check it where they read it.
+if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('GET', KEYS[5]) end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

@@ -85,7 +85,14 @@ end
 if stale and tonumber(ARGV[4]) > tonumber(redis.call('GET', KEYS[3]) or '0') then
   redis.call('SET', KEYS[3], ARGV[4])
 end
-local reregister = stale and redis.call('PTTL', KEYS[5]) > 0
+-- The quarantine is read only here, by its TTL: as in acquire.lua, a key of another type there
+-- fails the call (WRONGTYPE) instead of reading as a quarantine.
+local function quarantined()
+  local left = redis.call('PTTL', KEYS[5])
+  if left ~= -2 then redis.call('GET', KEYS[5]) end
+  return left > 0
+end
+local reregister = stale and quarantined()
 -- Slots left for re-registered leases: nil while no limit is stored (it was lost too).
 local room
 if reregister then

@@ -15,7 +15,11 @@ else
   out[2], out[3] = 0, 0
 end
 -- PTTL answers -2 (no key) or -1 (no TTL, never written so by the protocol): no quarantine.
-out[4] = math.max(redis.call('PTTL', KEYS[4]), 0)
+-- As in acquire.lua, a key of another type there fails the call (WRONGTYPE) rather than
+-- reading as a quarantine by its TTL.
+local quarantine_left = redis.call('PTTL', KEYS[4])
+if quarantine_left ~= -2 then redis.call('GET', KEYS[4]) end
+out[4] = math.max(quarantine_left, 0)
 for i = 1, #live, 2 do
   local id = live[i]
   local meta = redis.call('HGET', KEYS[2], id)
