@@ -418,9 +418,12 @@ impl Quota {
                     .min(shared.config.ttl)
             } else {
                 // Not first in line: the head watches expiries; poll rarely, as a safety net, but
-                // within a ttl, so the `waiting` marker lives on even if the head is wedged.
-                self.jitter(shared.config.poll_interval * 4)
-                    .min(shared.config.ttl)
+                // within a ttl, so the `waiting` marker lives on even if the head is wedged. The
+                // whole line polls at once: its attempts share a script call.
+                shared.waiters.until_line_poll(|| {
+                    self.jitter(shared.config.poll_interval * 4)
+                        .min(shared.config.ttl)
+                })
             };
             let asked = tokio::select! {
                 asked = place.woken() => asked,

@@ -23,6 +23,9 @@ pub(crate) struct WaitQueue {
     /// When the earliest lease is due to expire, as the last full reply said: a newly promoted
     /// head arms its timer from it instead of asking the backend again.
     next_expiry: Mutex<Option<Instant>>,
+    /// When the waiters behind the head poll next: one instant for the whole line, so that their
+    /// attempts go out together (one script call) instead of one call per waiter.
+    line_poll_at: Mutex<Option<Instant>>,
 }
 
 #[derive(Debug, Default)]
@@ -111,6 +114,18 @@ impl WaitQueue {
     /// Records when the earliest lease expires (from a full reply).
     pub(crate) fn note_expiry(&self, at: Instant) {
         *self.next_expiry.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);
+    }
+
+    /// Time until the line's next poll (for waiters behind the head), drawing the one after
+    /// (`after()` from now) once the last has passed.
+    pub(crate) fn until_line_poll(&self, after: impl FnOnce() -> Duration) -> Duration {
+        let now = Instant::now();
+        let mut at = self.line_poll_at.lock().unwrap_or_else(|e| e.into_inner());
+        let due = match *at {
+            Some(due) if due > now => due,
+            _ => *at.insert(now + after()),
+        };
+        due - now
     }
 
     /// Time until the earliest known expiry, if one is known.

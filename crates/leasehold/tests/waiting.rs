@@ -266,3 +266,50 @@ async fn dropping_every_handle_keeps_leases_working_and_releases_them() {
         "the dropped lease was not released"
     );
 }
+
+/// Waiters behind the head poll only as a safety net (a lost message, a cancel marker), and
+/// together: the line of a process shares one jittered poll, whose attempts go out in one
+/// script call. 40 idle waiters then cost Redis about what the head alone costs (a poll every
+/// 0.5–1.5 × 250 ms, ≈ 16 calls in 4 s) plus one call per shared poll (≈ 4), not one call per
+/// waiter per poll (≈ 4 each in 4 s, 150 and more in all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_behind_the_head_poll_together_not_each_on_its_own() {
+    let ttl = Duration::from_secs(30);
+    let held = Held::start("line-poll", ttl).await;
+    let counting = common::counting::Counting::new(common::connect(&held.server.url()).await);
+    let quota = common::quota_with(counting.clone(), &held.name, 1, ttl)
+        .poll_interval(Duration::from_millis(250))
+        .build()
+        .unwrap();
+    let ids: Vec<String> = (0..40).map(|i| format!("w{i}")).collect();
+    let waiters: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let (quota, id) = (quota.clone(), id.clone());
+            tokio::spawn(async move { quota.acquire(&id).await?.release().await })
+        })
+        .collect();
+    let all: Vec<&str> = ids.iter().map(String::as_str).collect();
+    assert!(
+        counting.all_refused(&all, Duration::from_secs(10)).await,
+        "every waiter was refused once and is in line"
+    );
+    let before = common::calls_of(&held.server, "evalsha");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let calls = common::calls_of(&held.server, "evalsha") - before;
+    println!("40 idle waiters: {calls} script calls in 4 s");
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "the slot stayed held: every waiter still waits"
+    );
+    assert!(
+        calls < 40,
+        "{calls} script calls in 4 s for 40 idle waiters: they poll one by one"
+    );
+    // The line still moves: once the slot frees, each waiter in turn is admitted and releases.
+    held.holder.release().await.unwrap();
+    for waiter in waiters {
+        let done = tokio::time::timeout(Duration::from_secs(10), waiter).await;
+        assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
+    }
+}
