@@ -722,7 +722,10 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
     assert!(release_calls <= released as u64);
 }
 
-const ACQUIRE_LUA: &str = include_str!("../src/scripts/acquire.lua");
+const ACQUIRE_LUA: &str = concat!(
+    include_str!("../src/scripts/common.lua"),
+    include_str!("../src/scripts/acquire.lua")
+);
 const RELEASE_LUA: &str = include_str!("../src/scripts/release.lua");
 
 fn ints(reply: &leasehold_testkit::Reply) -> Vec<i64> {

@@ -9,9 +9,19 @@ use leasehold::backend::{AcquireReply, LeaseRecord, RenewOutcome};
 use leasehold::{Backend, Error, Misconfiguration, QuotaKeys, RedisBackend, VersionedLimit};
 use leasehold_testkit::{RedisServer, Reply};
 
-const ACQUIRE_LUA: &str = include_str!("../src/scripts/acquire.lua");
-const RENEW_LUA: &str = include_str!("../src/scripts/renew.lua");
-const SET_LIMIT_LUA: &str = include_str!("../src/scripts/set_limit.lua");
+// As the library sends them: common.lua, then the script.
+const ACQUIRE_LUA: &str = concat!(
+    include_str!("../src/scripts/common.lua"),
+    include_str!("../src/scripts/acquire.lua")
+);
+const RENEW_LUA: &str = concat!(
+    include_str!("../src/scripts/common.lua"),
+    include_str!("../src/scripts/renew.lua")
+);
+const SET_LIMIT_LUA: &str = concat!(
+    include_str!("../src/scripts/common.lua"),
+    include_str!("../src/scripts/set_limit.lua")
+);
 
 /// 2^53 - 1: the largest token, seq, limit version and ttl a script takes.
 const MAX: &str = "9007199254740991";

@@ -45,10 +45,18 @@ use crate::error::{Error, Misconfiguration, Result};
 use crate::keys::QuotaKeys;
 use crate::runtime;
 
+/// A script that uses the functions of `common.lua`, which is sent before it in one body: a
+/// script cannot call another (PROTOCOL.md §5).
+macro_rules! after_common {
+    ($file:literal) => {
+        concat!(include_str!("../scripts/common.lua"), include_str!($file))
+    };
+}
+
 static ACQUIRE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../scripts/acquire.lua")));
+    LazyLock::new(|| Script::new(after_common!("../scripts/acquire.lua")));
 static RENEW: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../scripts/renew.lua")));
+    LazyLock::new(|| Script::new(after_common!("../scripts/renew.lua")));
 static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/release.lua")));
 static CANCEL: LazyLock<Script> =
@@ -56,7 +64,7 @@ static CANCEL: LazyLock<Script> =
 static SNAPSHOT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/snapshot.lua")));
 static SET_LIMIT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../scripts/set_limit.lua")));
+    LazyLock::new(|| Script::new(after_common!("../scripts/set_limit.lua")));
 
 /// Capacity of each quota's event channel; a slow receiver loses old events (at most once).
 const EVENT_CAPACITY: usize = 1024;

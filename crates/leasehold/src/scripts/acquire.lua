@@ -1,4 +1,5 @@
 -- leasehold protocol v1: acquire, for one or more task ids in order
+-- Sent after common.lua, whose functions it uses (integer, refuse, check_epoch).
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
 -- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, seq, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
 -- KEYS[6] waiting (STRING, with a TTL: someone was refused lately)   KEYS[7] limit (HASH limit, version)
@@ -16,22 +17,7 @@
 --   5, stored_limit, stored_version, 0   limit mismatch (same version, another limit is stored)
 -- Task ids are served in order: one call for k ids answers exactly what k calls in a row would
 -- (a task id listed twice is answered `held` the second time).
--- Arguments are checked before anything is written: a call with a malformed one (a foreign or
--- buggy client) fails with a `LEASEHOLD` error and changes nothing. Integers are plain decimal
--- (no sign, no leading zero, no exponent) up to 2^53 - 1, where Lua's doubles are exact.
--- The same checks are in renew.lua and set_limit.lua: a script cannot call another, so keep them in step.
-local function integer(v, least, most)
-  if not v or #v > 16 or not string.match(v, '^%d+$') or (#v > 1 and string.byte(v) == 48) then
-    return nil
-  end
-  local n = tonumber(v)
-  if n < least or n > most then return nil end
-  return n
-end
-local MAX = 9007199254740991
-local function refuse(what, v)
-  return redis.error_reply('LEASEHOLD invalid ' .. what .. ': ' .. string.format('%q', tostring(v)))
-end
+-- Arguments are checked (common.lua) before anything is written.
 local ttl = integer(ARGV[1], 1, MAX)
 if not ttl then return refuse('ttl (ARGV[1])', ARGV[1]) end
 local limit = integer(ARGV[2], 1, 1000000)
@@ -49,58 +35,8 @@ if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('GET', KEYS[5]) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
--- Dataset loss: a caller that saw another epoch (or one that vanished) proves the quota's state
--- was lost while leases may still run. Admissions pause for one ttl, once per epoch. A caller that
--- saw this epoch at a higher seq than stored proves a partial loss (a failover to a lagging
--- replica, an older copy restored): a new epoch makes it a loss like any other. `seq` counts
--- the calls that changed a lease, so that losing only refusals quarantines nobody.
--- The epoch check is the same in renew.lua: a script cannot call another, so keep both in step.
--- `<seconds>.<microseconds>` of an epoch id as two integers, nil for an id of another form.
-local function stamp(id)
-  local s, u = string.match(id or '', '^(%d+)%.(%d+)$')
-  if s then return tonumber(s), tonumber(u) end
-end
-local function later(s1, u1, s2, u2)
-  return s1 > s2 or (s1 == s2 and u1 > u2)
-end
-local sent = ARGV[3]
-local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
-local epoch, seq = mark[1], tonumber(mark[2]) or 0
-local stale = sent ~= '' and sent ~= epoch
--- The store went back: the caller saw this epoch further along, or a later epoch than the
--- stored one (a copy from before an earlier loss came back). Ids are parsed only off the
--- common path, where the caller sends the stored id.
-local went_back = sent == epoch and tonumber(ARGV[5]) > seq
-if stale then
-  local ss, su = stamp(sent)
-  local es, eu = stamp(epoch)
-  went_back = ss and es and later(ss, su, es, eu)
-end
-if went_back then
-  epoch, stale = nil, true
-  redis.call('HDEL', KEYS[4], 'detected_ms')
-end
-if not epoch then
-  -- Later than the id the caller sent, so that ids only grow, even across servers whose clocks
-  -- differ.
-  local s, u = tonumber(t[1]), tonumber(t[2])
-  local ss, su = stamp(sent)
-  if ss and not later(s, u, ss, su) then
-    s, u = ss, su + 1
-    if u > 999999 then s, u = s + 1, 0 end
-  end
-  epoch, seq = string.format('%d.%d', s, u), 0
-  redis.call('HSET', KEYS[4], 'id', epoch, 'seq', 0)
-end
-if stale and redis.call('HSETNX', KEYS[4], 'detected_ms', now) == 1 then
-  redis.call('SET', KEYS[5], epoch, 'PX', ttl)
-end
--- A caller from before the loss raises the fence to the highest token it has seen, so that the
--- tokens issued from now on exceed those too, not only the re-registered ones (a holder that
--- finished before the loss never re-registers its token). Same in renew.lua.
-if stale and tonumber(ARGV[6]) > tonumber(redis.call('GET', KEYS[3]) or '0') then
-  redis.call('SET', KEYS[3], ARGV[6])
-end
+-- Dataset loss (common.lua): the epoch in force, and whether this caller saw another.
+local epoch, seq, stale = check_epoch(t, now, ttl, ARGV[3], ARGV[5], ARGV[6])
 local extended = false
 
 -- Reap expired leases and their metadata; no janitor runs anywhere else.

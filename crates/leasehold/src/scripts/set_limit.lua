@@ -1,4 +1,5 @@
 -- leasehold protocol v1: set_limit, the operator's change of a quota's stored limit
+-- Sent after common.lua, whose functions it uses (integer, refuse).
 -- KEYS[1] limit (HASH limit, version)
 -- ARGV[1] limit   ARGV[2] version, or '' for one above the stored version (1 when none is stored)
 -- Reply: {code, limit, version}: the limit in force after the call
@@ -7,22 +8,7 @@
 --      already the largest, 2^53 - 1: there is no version above it)
 --   5  mismatch: the same version is stored with another limit (as acquire's code 5)
 -- Versions are compared as numbers; clients keep them at most 2^53 - 1, where doubles are exact.
--- Arguments are checked before anything is written: a call with a malformed one (a foreign or
--- buggy client) fails with a `LEASEHOLD` error and changes nothing. Integers are plain decimal
--- (no sign, no leading zero, no exponent) up to 2^53 - 1, where Lua's doubles are exact.
--- The same checks are in acquire.lua: a script cannot call another, so keep them in step.
-local function integer(v, least, most)
-  if not v or #v > 16 or not string.match(v, '^%d+$') or (#v > 1 and string.byte(v) == 48) then
-    return nil
-  end
-  local n = tonumber(v)
-  if n < least or n > most then return nil end
-  return n
-end
-local MAX = 9007199254740991
-local function refuse(what, v)
-  return redis.error_reply('LEASEHOLD invalid ' .. what .. ': ' .. string.format('%q', tostring(v)))
-end
+-- Arguments are checked (common.lua) before anything is written.
 local limit = integer(ARGV[1], 1, 1000000)
 if not limit then return refuse('limit (ARGV[1])', ARGV[1]) end
 if ARGV[2] ~= '' and not integer(ARGV[2], 0, MAX) then
