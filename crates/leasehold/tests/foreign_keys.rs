@@ -10,18 +10,19 @@
 //! it, release only asks whether it exists), the cancel marker (acquire and renew read it with
 //! `MGET`, so a marker of another type is no marker; cancel's `SET` replaces it).
 //!
-//! Cells that break the rule today are kept below as `#[ignore = "defect: ..."]` tests that
-//! assert the right behaviour: they fail when run with `--ignored`.
+//! Three cells broke the rule until the scripts were fixed: a foreign fence read as a full or a
+//! quarantined quota (acquire answered those without reading it), and a cancel that failed on a
+//! foreign `leases` key had already written its marker. Their tests below failed before.
 //!
-//! The matrix (W = WrongType, nothing written; - = key not read, works; D = defect):
+//! The matrix (W = WrongType, nothing written; - = key not read, works):
 //!
 //! | key        | acquire (new id)        | renewal                 | release | cancel | reason | set_limit | status         |
 //! |------------|-------------------------|-------------------------|---------|--------|--------|-----------|----------------|
-//! | leases     | W                       | W, stops at local dl.   | W       | W, D (marker written) | - | -     | W              |
+//! | leases     | W                       | W, stops at local dl.   | W       | W      | -      | -         | W              |
 //! | holders    | W (cancelled id: Cancelled) | W, stops at local dl. | W     | -      | -      | -         | W if a live lease, else - |
-//! | fence      | W; D when full/quarantined | - (W when stale)     | -       | -      | -      | -         | -              |
+//! | fence      | W (full, quarantined too) | - (W when stale)      | -       | -      | -      | -         | -              |
 //! | epoch      | W                       | W, stops at local dl.   | -       | -      | -      | -         | -              |
-//! | quarantine | W (±TTL)                | - (stale: replaced by the real one, or W) | - | - | - | -        | W (±TTL)       |
+//! | quarantine | W (±TTL)                | - (W when stale)        | -       | -      | -      | -         | W (±TTL)       |
 //! | waiting    | - / replaced by SET when refused | -              | EXISTS  | -      | -      | -         | -              |
 //! | limit      | W                       | - (W when stale)        | -       | -      | -      | W         | W              |
 //! | cancel:id  | no marker (MGET)        | no marker (MGET)        | -       | replaced by SET | W | -      | -              |
@@ -175,8 +176,8 @@ const LONG: Duration = Duration::from_secs(10);
 // ---------------------------------------------------------------------------------------------
 
 /// The keys acquire needs for a new task id (leases, holders, fence, epoch, quarantine, limit):
-/// a foreign value in any of them fails the attempt with WrongType, with a slot free and (but
-/// the fence, a defect below) with the quota full, and the failed call changes nothing: no
+/// a foreign value in any of them fails the attempt with WrongType, with a slot free and with
+/// the quota full, and the failed call changes nothing: no
 /// slot, no token, no half lease. `acquire_timeout` answers the same at once, not `TimedOut`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_reports_every_wrong_typed_key_it_needs() {
@@ -188,9 +189,6 @@ async fn acquire_reports_every_wrong_typed_key_it_needs() {
         }
         for (kind, ttl) in foreign_values(*own) {
             for full in [false, true] {
-                if full && *suffix == "fence" {
-                    continue; // defect: `a_foreign_fence_reads_as_full_while_the_quota_is_full`
-                }
                 let cell = format!("{suffix} = {kind:?} (ttl {ttl:?}), full: {full}");
                 let quota = setup.quota(if full { 1 } else { 2 }, LONG);
                 let name = quota.name().to_owned();
@@ -281,11 +279,10 @@ async fn acquire_does_not_need_the_waiting_or_cancel_keys() {
     }
 }
 
-/// Answers that do not need the foreign key, and are true: a task that holds a live lease is
-/// answered `held` (its extension takes no token), and a cancelled task `cancelled`, with a
-/// foreign fence or holders key. Neither takes a slot or a token, and the next call that needs
-/// the key reports it. (For `held`, WrongType is as right: it is what acquire answers once it
-/// checks the fence up front, the fix of the defects below.)
+/// A foreign fence fails even the acquire of a task that holds a live lease (acquire checks the
+/// fence before anything else), changing nothing; a cancelled task is answered `cancelled`
+/// with a foreign holders key, which that answer does not need. Neither takes a slot or a
+/// token, and the next call that needs the key reports it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_answers_held_and_cancelled_without_the_keys_they_do_not_need() {
     let setup = Setup::new().await;
@@ -297,13 +294,9 @@ async fn acquire_answers_held_and_cancelled_without_the_keys_they_do_not_need() 
         let lease = quota.try_acquire("held").await.unwrap();
         put_foreign(server, &name, "fence", kind, ttl);
         let before = dataset(server, &name);
-        match quota.try_acquire("held").await {
-            Ok(again) => assert_eq!(again.fencing_token(), lease.fencing_token(), "{cell}"),
-            Err(Error::Misconfigured(Misconfiguration::WrongType { .. })) => {
-                assert_eq!(dataset(server, &name), before, "{cell}");
-            }
-            Err(other) => panic!("{cell}: {other:?}"),
-        }
+        assert_wrong_type(&cell, quota.try_acquire("held").await);
+        assert_eq!(dataset(server, &name), before, "{cell}");
+        assert!(lease.is_held(), "{cell}");
         assert_wrong_type(&cell, quota.try_acquire("new").await);
     }
     for (kind, ttl) in foreign_values(Kind::Hash) {
@@ -323,14 +316,11 @@ async fn acquire_answers_held_and_cancelled_without_the_keys_they_do_not_need() 
     }
 }
 
-/// DEFECT: with the quota full, acquire answers `full` (code 0) without reading the fence, so
-/// a foreign fence reads as a full quota: `try_acquire` fails with `Full`, and
-/// `acquire_timeout` with `TimedOut { answered: true }` (or waits until a slot frees, and only
-/// then hears WrongType). acquire.lua reads `fence` only to admit (`GET KEYS[3]` in the loop)
-/// or for a stale call.
+/// With the quota full, acquire answers `full` (code 0) without needing the fence: it used to
+/// read it only to admit, so a foreign fence read as a full quota (`try_acquire`: `Full`,
+/// `acquire_timeout`: `TimedOut { answered: true }`). It now checks the fence first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: a foreign fence reads as Full (and acquire_timeout as TimedOut) while the quota is full"]
-async fn a_foreign_fence_reads_as_full_while_the_quota_is_full() {
+async fn a_foreign_fence_is_wrong_type_even_when_the_quota_is_full() {
     let setup = Setup::new().await;
     let server = &setup.server;
     for (kind, ttl) in foreign_values(Kind::String) {
@@ -349,12 +339,10 @@ async fn a_foreign_fence_reads_as_full_while_the_quota_is_full() {
     }
 }
 
-/// DEFECT: likewise during a quarantine (PROTOCOL.md §8): acquire answers `quarantined`
-/// (code 4) without reading the fence, so a foreign fence reads as `Full { cause:
+/// Likewise during a quarantine (PROTOCOL.md §8): a foreign fence used to read as `Full { cause:
 /// Quarantined }` for the quarantine's length.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: a foreign fence reads as Full { Quarantined } during a quarantine"]
-async fn a_foreign_fence_reads_as_quarantined_during_a_quarantine() {
+async fn a_foreign_fence_is_wrong_type_even_during_a_quarantine() {
     let setup = Setup::new().await;
     let server = &setup.server;
     for (kind, ttl) in foreign_values(Kind::String) {
@@ -452,12 +440,10 @@ async fn renewal_cell(
             assert!(lease.is_held(), "{cell}");
         }
     }
-    if suffix == "quarantine" && state == State::Lost {
-        // The first stale renewal's `SET quarantine ... PX` replaced the foreign value with a
-        // real quarantine (of one ttl, which may be over by now) before reading it:
-        // overwritten, as PROTOCOL.md §5.3 orders it.
-        let now = type_of(&server, &name, "quarantine");
-        assert!(now == "string" || now == "none", "{cell}: {now}");
+    if state == State::Lost {
+        // The stale renewals failed before writing anything: no epoch was started (the loss
+        // is recorded by the first call after the foreign value is gone).
+        assert_eq!(type_of(&server, &name, "epoch"), "none", "{cell}");
     }
 }
 
@@ -488,15 +474,13 @@ async fn renewals_fail_on_the_keys_they_read_and_the_holder_stops_at_its_local_d
             ));
         }
     }
-    // After a loss: the fence and the limit fail the stale renewal (the loss is still
-    // recorded: a new epoch and its quarantine, written before the failing read), so the lease
-    // is not re-registered and its holder stops. A foreign quarantine is replaced by the real
-    // one when this renewal starts it (the lease re-registers), and fails the renewal when the
-    // loss was already detected.
+    // After a loss: a foreign fence, quarantine or limit fails the stale renewal before it
+    // writes anything (PROTOCOL.md §5.2 step 1), so the lease is not re-registered and its
+    // holder stops; the same when the loss was already detected by another caller.
     for (suffix, state, expect) in [
         ("fence", State::Lost, Expect::StopsAtLocalDeadline),
         ("limit", State::Lost, Expect::StopsAtLocalDeadline),
-        ("quarantine", State::Lost, Expect::Held),
+        ("quarantine", State::Lost, Expect::StopsAtLocalDeadline),
         (
             "quarantine",
             State::LostAndDetected,
@@ -591,9 +575,8 @@ async fn cancel_replaces_a_foreign_marker_and_cancel_reason_reports_it() {
                 }
                 "leases" => {
                     assert_eq!(quota.cancel_reason("t").await.unwrap(), None, "{cell}");
-                    // The marker is written all the same: the defect
-                    // `a_cancel_that_fails_on_a_foreign_leases_key_still_cancels`.
                     assert_wrong_type(&cell, quota.cancel("t", "stop").await);
+                    assert_eq!(quota.cancel_reason("t").await.unwrap(), None, "{cell}");
                 }
                 _ => {
                     assert_eq!(quota.cancel_reason("t").await.unwrap(), None, "{cell}");
@@ -609,13 +592,11 @@ async fn cancel_replaces_a_foreign_marker_and_cancel_reason_reports_it() {
     }
 }
 
-/// DEFECT: cancel.lua writes the marker (`SET KEYS[2]`) before it reads `leases` (`ZSCORE
-/// KEYS[1]`): with a foreign `leases` key the call fails with WrongType, yet the task is
-/// cancelled (acquire refuses it for the marker's life) and nothing was announced. A failed
-/// call must change nothing.
+/// A failed call changes nothing: cancel.lua used to write the marker before it read `leases`,
+/// so with a foreign `leases` key the call failed with WrongType, yet the task was cancelled
+/// (acquire refused it for the marker's life) and nothing was announced. It now reads first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "defect: cancel fails with WrongType on a foreign leases key but has already written the marker"]
-async fn a_cancel_that_fails_on_a_foreign_leases_key_still_cancels() {
+async fn a_cancel_that_fails_on_a_foreign_leases_key_writes_no_marker() {
     let setup = Setup::new().await;
     let server = &setup.server;
     for (kind, ttl) in foreign_values(Kind::ZSet) {

@@ -27,16 +27,18 @@ if not version then return refuse('limit version (ARGV[4])', ARGV[4]) end
 if not integer(ARGV[5], 0, MAX) then return refuse('seq (ARGV[5])', ARGV[5]) end
 if not integer(ARGV[6], 0, MAX) then return refuse('highest token (ARGV[6])', ARGV[6]) end
 if #ARGV < 7 then return refuse('task ids (none given)', '') end
--- The quarantine is read by its TTL, which any type of key has: a foreign key there (not a
--- string) fails the call with WRONGTYPE before anything is written, instead of reading as a
--- quarantine. renew.lua and snapshot.lua check it where they read it.
-if redis.call('EXISTS', KEYS[5]) == 1 then redis.call('GET', KEYS[5]) end
+-- Keys this call may answer without reading them fail it now (WRONGTYPE) if they hold a foreign
+-- value, before anything is written: the fence (a full, quarantined or mismatched quota is
+-- answered without it) and the quarantine (read by its TTL, which a key of any type has, so it
+-- would read as a quarantine). renew.lua and snapshot.lua check them where they read them.
+redis.call('GET', KEYS[3])
+redis.call('GET', KEYS[5])
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- Dataset loss (common.lua): the epoch in force, and whether this caller saw another.
-local epoch, seq, stale = check_epoch(t, now, ttl, ARGV[3], ARGV[5], ARGV[6])
+local epoch, seq, stale = check_epoch(t, now, ttl, ARGV[3], ARGV[5], ARGV[6], KEYS[7])
 local extended = false
 
 -- Reap expired leases and their metadata; no janitor runs anywhere else.

@@ -2,13 +2,14 @@
 -- KEYS[1] leases   KEYS[2] the task's cancel marker
 -- ARGV[1] task id   ARGV[2] reason   ARGV[3] marker ttl ms   ARGV[4] channel
 -- Reply: {1} if the task held a live lease, {0} otherwise (it may be queued or not started).
--- The marker is written first: it is the truth, which acquire and renew read. The message only
--- makes the cancel fast; it may be lost.
+-- The marker is written before the message: it is the truth, which acquire and renew read. The
+-- message only makes the cancel fast; it may be lost. The lease is read first, so that a foreign
+-- value in `leases` fails the call (WRONGTYPE) before the marker is written.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id = ARGV[1]
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 local score = redis.call('ZSCORE', KEYS[1], id)
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 -- pcall: a refused PUBLISH (an ACL without this channel) must not fail a cancel already written.
 redis.pcall('PUBLISH', ARGV[4], 'cancelled:' .. string.len(id) .. ':' .. id .. ':' .. ARGV[2])
 if score and tonumber(score) > now then

@@ -36,9 +36,9 @@ end
 -- quarantines nobody.
 -- `t` is this call's TIME and `now` it in ms; `sent`, `sent_seq` and `highest_token` are the
 -- epoch id the caller saw (or ''), the highest seq it saw in it and the highest fencing token it
--- saw in this quota (checked arguments). Returns the epoch id in force, its stored seq, and
--- whether the call is stale.
-local function check_epoch(t, now, ttl, sent, sent_seq, highest_token)
+-- saw in this quota (checked arguments); `limit_key` is the quota's limit key. Returns the epoch
+-- id in force, its stored seq, and whether the call is stale.
+local function check_epoch(t, now, ttl, sent, sent_seq, highest_token, limit_key)
   local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
   local epoch, seq = mark[1], tonumber(mark[2]) or 0
   local stale = sent ~= '' and sent ~= epoch
@@ -50,6 +50,13 @@ local function check_epoch(t, now, ttl, sent, sent_seq, highest_token)
     local ss, su = stamp(sent)
     local es, eu = stamp(epoch)
     went_back = ss and es and later(ss, su, es, eu)
+  end
+  if stale or went_back then
+    -- What a stale call reads after its first write (the fence, the quarantine, the limit): a
+    -- foreign value there fails it (WRONGTYPE) before it writes anything, rather than halfway.
+    redis.call('GET', KEYS[3])
+    redis.call('GET', KEYS[5])
+    redis.call('HLEN', limit_key)
   end
   if went_back then
     epoch, stale = nil, true

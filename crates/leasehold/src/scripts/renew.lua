@@ -28,15 +28,10 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- Dataset loss (common.lua): the epoch in force, and whether this caller saw another; a stale
 -- caller raised the fence to every token it has seen.
-local epoch, seq, stale = check_epoch(t, now, ttl, ARGV[2], ARGV[3], ARGV[4])
--- The quarantine is read only here, by its TTL: as in acquire.lua, a key of another type there
--- fails the call (WRONGTYPE) instead of reading as a quarantine.
-local function quarantined()
-  local left = redis.call('PTTL', KEYS[5])
-  if left ~= -2 then redis.call('GET', KEYS[5]) end
-  return left > 0
-end
-local reregister = stale and quarantined()
+local epoch, seq, stale = check_epoch(t, now, ttl, ARGV[2], ARGV[3], ARGV[4], KEYS[6])
+-- The quarantine is read only here, by its TTL, and only by a stale call, which check_epoch
+-- made fail (WRONGTYPE) if a key of another type is there.
+local reregister = stale and redis.call('PTTL', KEYS[5]) > 0
 -- Slots left for re-registered leases: nil while no limit is stored (it was lost too).
 local room
 if reregister then
