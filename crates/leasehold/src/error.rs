@@ -21,7 +21,9 @@ pub enum LostReason {
     Cancelled(String),
     /// The backend could not confirm a renewal before the holder's own monotonic deadline
     /// (last acknowledged renewal + ttl − safety margin). The backend may already have given the
-    /// slot to someone else, so the holder must stop.
+    /// slot to someone else, so the holder must stop. Renewals the backend refused for a
+    /// misconfiguration (a foreign value in one of the quota's keys, missing ACL rights) end
+    /// the same way; each refusal is logged at error level (`tracing`).
     LocalDeadline,
     /// This process released the lease itself.
     Released,
@@ -42,7 +44,7 @@ impl std::fmt::Display for LostReason {
             LostReason::Cancelled(reason) => write!(f, "task cancelled: {reason}"),
             LostReason::LocalDeadline => f.write_str(
                 "local deadline passed before a renewal was confirmed (the backend \
-                 unreachable or slow, or this process paused)",
+                 unreachable, slow or refusing renewals, or this process paused)",
             ),
             LostReason::Released => f.write_str("lease released by its holder"),
         }

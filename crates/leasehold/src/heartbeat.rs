@@ -146,8 +146,16 @@ async fn renew(
     let reply = match reply {
         Ok(reply) => reply,
         Err(e) => {
-            tracing::warn!(quota = %shared.keys.name, leases = leases.len(), error = %e,
-                "renewal failed; leases keep their local deadlines");
+            if e.is_transient() {
+                tracing::warn!(quota = %shared.keys.name, leases = leases.len(), error = %e,
+                    "renewal failed; leases keep their local deadlines");
+            } else {
+                // Not an outage: retrying cannot help until an operator fixes it (a foreign key
+                // in the quota's namespace, ACL rights...). The holders stop at their local
+                // deadlines all the same, reported as `LocalDeadline`: say why here.
+                tracing::error!(quota = %shared.keys.name, leases = leases.len(), error = %e,
+                    "renewal refused; leases will be lost at their local deadlines unless this is fixed");
+            }
             return;
         }
     };
