@@ -163,7 +163,27 @@ fn a_short_stop_of_the_command_stops_the_run_and_both_go_on_when_continued() {
     let (mut run, command) = ticking_run(&server, "short", "5s", &dir);
     // Ctrl-Z with the command in the terminal's foreground reaches the command's group only.
     signal(-command, libc::SIGTSTP);
-    wait_state(run.id() as i32, "stopped", |s| s == Some('T'));
+    let end = Instant::now() + Duration::from_secs(5);
+    while state(run.id() as i32) != Some('T') {
+        if Instant::now() >= end {
+            let status = |pid: i32| {
+                std::fs::read_to_string(format!("/proc/{pid}/status"))
+                    .unwrap_or_default()
+                    .lines()
+                    .filter(|l| l.starts_with("Sig") || l.starts_with("State"))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            };
+            panic!(
+                "leasehold run never stopped: run {:?} [{}], command {:?} [{}]",
+                stat_line(run.id() as i32),
+                status(run.id() as i32),
+                stat_line(command),
+                status(command)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let stopped_at = ticks(&dir);
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(ticks(&dir), stopped_at);

@@ -146,7 +146,24 @@ impl Worker {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.lines.try_iter().collect()
+        // The worker has exited, but the thread that reads its stdout may not have passed the
+        // last lines on yet (on a loaded machine it often had not): read on until it reaches
+        // the end of the pipe, which the exit closed. Bounded, should something else hold the
+        // pipe open.
+        let mut lines = Vec::new();
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self
+                .lines
+                .recv_timeout(end.saturating_duration_since(Instant::now()))
+            {
+                Ok(line) => lines.push(line),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break lines,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("the worker's stdout stayed open 10 s after it exited: {lines:?}")
+                }
+            }
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! every wait bounded in time.
 #![allow(dead_code)] // each test file uses its own subset
 
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -16,6 +17,21 @@ pub fn leasehold(url: &str, quota: &str) -> Command {
     cmd.env("LEASEHOLD_REDIS_URL", url)
         .env("LEASEHOLD_QUOTA", quota)
         .stdin(Stdio::null());
+    // The default disposition for the signals the tests send, whatever the test run inherited:
+    // a suite started with `&` from a non-interactive shell (no job control) has SIGINT and
+    // SIGQUIT ignored, and under `nohup` SIGHUP too. `leasehold run` keeps a signal it
+    // inherited as ignored ignored (as it should), so a test that interrupts it would wait for
+    // an exit that never comes. A test that wants one ignored sets it in its own `pre_exec`,
+    // which runs after this one.
+    // SAFETY: signal(2) between fork and exec is async-signal-safe and allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP] {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
     cmd
 }
 
