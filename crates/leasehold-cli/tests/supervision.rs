@@ -54,7 +54,12 @@ fn ticking_run(server: &RedisServer, quota: &str, ttl: &str, dir: &Path) -> (Rea
     );
     let run = leasehold(&server.url(), quota)
         .args(["run", "--limit", "1", "--ttl", ttl, "--task-id", "ticker"])
-        .args(["--", "sh", "-c", &script])
+        // bash, not sh: Debian's sh (dash) starts `sleep` with vfork(), and a SIGTSTP to the
+        // group that lands while dash waits in vfork (state D, signals blocked) stops only the
+        // child; dash itself never stops, so its parent never sees a stop, with or without
+        // leasehold (an interactive shell running `sh -c` would hang the same way). Under load
+        // the window is wide enough to be hit in 7 of 40 runs. bash starts children with fork().
+        .args(["--", "bash", "-c", &script])
         .stderr(Stdio::null())
         .spawn_reaped();
     wait_held(server, quota, "ticker");
