@@ -19,7 +19,7 @@
 //! | key        | acquire (new id)        | renewal                 | release | cancel | reason | set_limit | status         |
 //! |------------|-------------------------|-------------------------|---------|--------|--------|-----------|----------------|
 //! | leases     | W                       | W, stops at local dl.   | W       | W      | -      | -         | W              |
-//! | holders    | W (cancelled id: Cancelled) | W, stops at local dl. | W     | -      | -      | -         | W if a live lease, else - |
+//! | holders    | W (cancelled id too)    | W, stops at local dl.   | W       | -      | -      | -         | W if a live lease, else - |
 //! | fence      | W (full, quarantined too) | - (W when stale)      | -       | -      | -      | -         | -              |
 //! | epoch      | W                       | W, stops at local dl.   | -       | -      | -      | -         | -              |
 //! | quarantine | W (±TTL)                | - (W when stale)        | -       | -      | -      | -         | W (±TTL)       |
@@ -279,12 +279,11 @@ async fn acquire_does_not_need_the_waiting_or_cancel_keys() {
     }
 }
 
-/// A foreign fence fails even the acquire of a task that holds a live lease (acquire checks the
-/// fence before anything else), changing nothing; a cancelled task is answered `cancelled`
-/// with a foreign holders key, which that answer does not need. Neither takes a slot or a
-/// token, and the next call that needs the key reports it.
+/// Acquire checks its keys before anything else, so a foreign value fails even the answers that
+/// would not need it: `held` for a task that holds a live lease (a foreign fence), `cancelled`
+/// for a cancelled task (foreign holders). Nothing is written, and the lease is still held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acquire_answers_held_and_cancelled_without_the_keys_they_do_not_need() {
+async fn acquire_reports_a_foreign_key_even_for_a_held_or_cancelled_task() {
     let setup = Setup::new().await;
     let server = &setup.server;
     for (kind, ttl) in foreign_values(Kind::String) {
@@ -307,12 +306,61 @@ async fn acquire_answers_held_and_cancelled_without_the_keys_they_do_not_need() 
         server.command(&["SET", &key(&name, "cancel:t"), "stop", "PX", "60000"]);
         put_foreign(server, &name, "holders", kind, ttl);
         let before = dataset(server, &name);
-        match quota.try_acquire("t").await {
-            Err(Error::Cancelled(reason)) => assert_eq!(reason, "stop", "{cell}"),
-            other => panic!("{cell}: {other:?}"),
-        }
+        assert_wrong_type(&cell, quota.try_acquire("t").await);
         assert_eq!(dataset(server, &name), before, "{cell}");
         assert_wrong_type(&cell, quota.try_acquire("new").await);
+    }
+}
+
+/// A call that writes before it reads some keys (the first call ever creates the epoch; a stale
+/// call, after a loss of the quota's data, records the loss; a higher limit version replaces
+/// the stored limit) checks those keys first: a foreign `leases` or `holders` key fails it with
+/// nothing written. (These calls used to write, then fail: a stale one used up its epoch's one
+/// quarantine.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_writes_first_writes_nothing_on_a_foreign_leases_or_holders_key() {
+    let setup = Setup::new().await;
+    let server = &setup.server;
+    for (suffix, own) in [("leases", Kind::ZSet), ("holders", Kind::Hash)] {
+        for (kind, ttl) in foreign_values(own) {
+            let cell = format!("{suffix} = {kind:?} (ttl {ttl:?}), first call");
+            let quota = setup.quota(2, LONG);
+            let name = quota.name().to_owned();
+            put_foreign(server, &name, suffix, kind, ttl);
+            let before = dataset(server, &name);
+            assert_wrong_type(&cell, quota.try_acquire("t").await);
+            assert_eq!(dataset(server, &name), before, "{cell}");
+
+            let cell = format!("{suffix} = {kind:?} (ttl {ttl:?}), stale call");
+            let quota = setup.quota(2, LONG);
+            let name = quota.name().to_owned();
+            quota.try_acquire("held").await.unwrap().abandon();
+            if let Reply::Array(names) = server.command(&["KEYS", &key(&name, "*")]) {
+                for n in names.iter().filter_map(Reply::as_string) {
+                    server.command(&["DEL", &n]);
+                }
+            }
+            put_foreign(server, &name, suffix, kind, ttl);
+            let before = dataset(server, &name);
+            assert_wrong_type(&cell, quota.try_acquire("t").await);
+            assert_eq!(dataset(server, &name), before, "{cell}");
+
+            let cell = format!("{suffix} = {kind:?} (ttl {ttl:?}), higher limit version");
+            let quota = setup.quota(2, LONG);
+            let name = quota.name().to_owned();
+            quota.try_acquire("held").await.unwrap().abandon();
+            put_foreign(server, &name, suffix, kind, ttl);
+            let newer = Quota::builder(&name)
+                .limit(5)
+                .limit_version(1)
+                .ttl(LONG)
+                .shared_backend(setup.backend.clone())
+                .build()
+                .unwrap();
+            let before = dataset(server, &name);
+            assert_wrong_type(&cell, newer.try_acquire("t").await);
+            assert_eq!(dataset(server, &name), before, "{cell}");
+        }
     }
 }
 
@@ -474,13 +522,16 @@ async fn renewals_fail_on_the_keys_they_read_and_the_holder_stops_at_its_local_d
             ));
         }
     }
-    // After a loss: a foreign fence, quarantine or limit fails the stale renewal before it
-    // writes anything (PROTOCOL.md §5.2 step 1), so the lease is not re-registered and its
-    // holder stops; the same when the loss was already detected by another caller.
+    // After a loss: a foreign fence, quarantine, limit, leases or holders key fails the stale
+    // renewal before it writes anything (PROTOCOL.md §5.2 step 1), so the lease is not
+    // re-registered and its holder stops; the same when the loss was already detected by
+    // another caller.
     for (suffix, state, expect) in [
         ("fence", State::Lost, Expect::StopsAtLocalDeadline),
         ("limit", State::Lost, Expect::StopsAtLocalDeadline),
         ("quarantine", State::Lost, Expect::StopsAtLocalDeadline),
+        ("leases", State::Lost, Expect::StopsAtLocalDeadline),
+        ("holders", State::Lost, Expect::StopsAtLocalDeadline),
         (
             "quarantine",
             State::LostAndDetected,

@@ -546,6 +546,44 @@ async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
     );
 }
 
+/// The same user through a loss of the quota's data (`FLUSHALL`): the stale calls that detect
+/// it (the quarantine, the re-registration of the lease still held, PROTOCOL.md §8) run only
+/// commands the ACL grants, so the holder keeps its lease and a newcomer is told "quarantined".
+#[tokio::test]
+async fn a_least_privilege_acl_user_recovers_from_a_loss_of_the_quotas_data() {
+    let server = RedisServer::start();
+    let mut setuser = vec!["ACL", "SETUSER", "lh"];
+    setuser.extend_from_slice(LEASEHOLD_ACL);
+    assert_eq!(server.command(&setuser).as_string().as_deref(), Some("OK"));
+    let url = format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port());
+    let ttl = Duration::from_millis(900);
+    let quota = Quota::builder("allowed")
+        .limit(2)
+        .ttl(ttl)
+        .backend(RedisBackend::connect(&url).await.unwrap())
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("a").await.unwrap();
+    server.command(&["FLUSHALL"]);
+    let newcomer = quota.try_acquire("b").await;
+    assert!(
+        matches!(
+            newcomer,
+            Err(Error::Full {
+                cause: leasehold::FullCause::Quarantined { .. },
+                ..
+            })
+        ),
+        "{newcomer:?}"
+    );
+    // Past two ttls: the holder's renewals re-registered its lease and kept it.
+    tokio::time::sleep(ttl * 2).await;
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    let holders = quota.status().await.unwrap().holders;
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    lease.release().await.unwrap();
+}
+
 /// The message is the fast path; the keys are the truth. A user whose ACL does not grant the
 /// channel still cancels and releases: the call must not report as failed what it did.
 #[tokio::test]

@@ -27,12 +27,16 @@ if not version then return refuse('limit version (ARGV[4])', ARGV[4]) end
 if not integer(ARGV[5], 0, MAX) then return refuse('seq (ARGV[5])', ARGV[5]) end
 if not integer(ARGV[6], 0, MAX) then return refuse('highest token (ARGV[6])', ARGV[6]) end
 if #ARGV < 7 then return refuse('task ids (none given)', '') end
--- Keys this call may answer without reading them fail it now (WRONGTYPE) if they hold a foreign
--- value, before anything is written: the fence (a full, quarantined or mismatched quota is
--- answered without it) and the quarantine (read by its TTL, which a key of any type has, so it
--- would read as a quarantine). renew.lua and snapshot.lua check them where they read them.
+-- A foreign value in one of the quota's keys fails the call (WRONGTYPE) before anything is
+-- written: the fence (a full, quarantined or mismatched quota is answered without it), the
+-- quarantine (read by its TTL, which a key of any type has, so it would read as one), and the
+-- leases and holders (reaping and a new limit write before they are read otherwise). The epoch
+-- and the limit are read before they are written. renew.lua and snapshot.lua check what they
+-- read where they read it.
 redis.call('GET', KEYS[3])
 redis.call('GET', KEYS[5])
+redis.call('ZCARD', KEYS[1])
+redis.call('HGET', KEYS[2], '')
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -168,8 +172,7 @@ if refused then
   end
 end
 if #admitted > 0 then
-  -- The holders hash first: it is the one key this script may write without having read it, so
-  -- a foreign value there fails the call (WRONGTYPE) before any slot or token is taken.
+  -- Every key written here was checked at the start (a foreign value failed the call then).
   redis.call('HSET', KEYS[2], unpack(admitted_meta))
   redis.call('SET', KEYS[3], string.format('%d', fence))
   redis.call('ZADD', KEYS[1], unpack(admitted))

@@ -51,12 +51,16 @@ local function check_epoch(t, now, ttl, sent, sent_seq, highest_token, limit_key
     local es, eu = stamp(epoch)
     went_back = ss and es and later(ss, su, es, eu)
   end
-  if stale or went_back then
-    -- What a stale call reads after its first write (the fence, the quarantine, the limit): a
-    -- foreign value there fails it (WRONGTYPE) before it writes anything, rather than halfway.
+  if stale or not epoch then
+    -- This call writes below. The keys it reads after that (the fence, the quarantine, the
+    -- limit, the leases, the holders) fail it now (WRONGTYPE) if they hold a foreign value,
+    -- before it writes anything, rather than halfway. Only commands the least-privilege ACL
+    -- of the README grants (GET, HGET, ZCARD).
     redis.call('GET', KEYS[3])
     redis.call('GET', KEYS[5])
-    redis.call('HLEN', limit_key)
+    redis.call('HGET', limit_key, 'limit')
+    redis.call('ZCARD', KEYS[1])
+    redis.call('HGET', KEYS[2], '')
   end
   if went_back then
     epoch, stale = nil, true
