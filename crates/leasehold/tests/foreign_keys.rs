@@ -314,11 +314,11 @@ async fn acquire_reports_a_foreign_key_even_for_a_held_or_cancelled_task() {
 
 /// A call that writes before it reads some keys (the first call ever creates the epoch; a stale
 /// call, after a loss of the quota's data, records the loss; a higher limit version replaces
-/// the stored limit) checks those keys first: a foreign `leases` or `holders` key fails it with
-/// nothing written. (These calls used to write, then fail: a stale one used up its epoch's one
+/// the stored limit; any call reaps expired leases) checks those keys first: a foreign
+/// `leases`, `holders` or `limit` key fails it with nothing written. (These calls used to write, then fail: a stale one used up its epoch's one
 /// quarantine.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_call_that_writes_first_writes_nothing_on_a_foreign_leases_or_holders_key() {
+async fn a_call_that_writes_first_writes_nothing_on_a_foreign_key() {
     let setup = Setup::new().await;
     let server = &setup.server;
     for (suffix, own) in [("leases", Kind::ZSet), ("holders", Kind::Hash)] {
@@ -361,6 +361,18 @@ async fn a_call_that_writes_first_writes_nothing_on_a_foreign_leases_or_holders_
             assert_wrong_type(&cell, newer.try_acquire("t").await);
             assert_eq!(dataset(server, &name), before, "{cell}");
         }
+    }
+    // Reaping writes too: an expired lease is left as it was when the limit is foreign.
+    for (kind, ttl) in foreign_values(Kind::Hash) {
+        let cell = format!("limit = {kind:?} (ttl {ttl:?}), an expired lease to reap");
+        let quota = setup.quota(2, Duration::from_millis(100));
+        let name = quota.name().to_owned();
+        quota.try_acquire("expired").await.unwrap().abandon();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        put_foreign(server, &name, "limit", kind, ttl);
+        let before = dataset(server, &name);
+        assert_wrong_type(&cell, quota.try_acquire("t").await);
+        assert_eq!(dataset(server, &name), before, "{cell}");
     }
 }
 

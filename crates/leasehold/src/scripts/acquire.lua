@@ -30,13 +30,14 @@ if #ARGV < 7 then return refuse('task ids (none given)', '') end
 -- A foreign value in one of the quota's keys fails the call (WRONGTYPE) before anything is
 -- written: the fence (a full, quarantined or mismatched quota is answered without it), the
 -- quarantine (read by its TTL, which a key of any type has, so it would read as one), and the
--- leases and holders (reaping and a new limit write before they are read otherwise). The epoch
--- and the limit are read before they are written. renew.lua and snapshot.lua check what they
--- read where they read it.
+-- leases and holders (reaping and a new limit write before they are read otherwise), and the
+-- limit, read here for later. The epoch is read before anything is written. renew.lua and
+-- snapshot.lua check what they read where they read it.
 redis.call('GET', KEYS[3])
 redis.call('GET', KEYS[5])
 redis.call('ZCARD', KEYS[1])
 redis.call('HGET', KEYS[2], '')
+local stored = redis.call('HMGET', KEYS[7], 'limit', 'version')
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -58,7 +59,6 @@ end
 -- effect at its first acquire, for everyone), a lower one is admitted against it (old workers
 -- follow), and equal versions must agree or nothing new is admitted. A lower limit evicts
 -- nobody: admissions stop until fewer than it are live.
-local stored = redis.call('HMGET', KEYS[7], 'limit', 'version')
 local stored_limit, stored_version = tonumber(stored[1]), tonumber(stored[2])
 local mismatch = false
 if not stored_limit or not stored_version or version > stored_version then
