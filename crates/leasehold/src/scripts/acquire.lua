@@ -1,5 +1,5 @@
 -- leasehold protocol v1: acquire, for one or more task ids in order
--- Sent after common.lua, whose functions it uses (integer, refuse, check_epoch).
+-- Sent after common.lua, whose functions it uses (integer, refuse, check_types, check_epoch).
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
 -- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, seq, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
 -- KEYS[6] waiting (STRING, with a TTL: someone was refused lately)   KEYS[7] limit (HASH limit, version)
@@ -28,22 +28,16 @@ if not integer(ARGV[5], 0, MAX) then return refuse('seq (ARGV[5])', ARGV[5]) end
 if not integer(ARGV[6], 0, MAX) then return refuse('highest token (ARGV[6])', ARGV[6]) end
 if #ARGV < 7 then return refuse('task ids (none given)', '') end
 -- A foreign value in one of the quota's keys fails the call (WRONGTYPE) before anything is
--- written: the fence (a full, quarantined or mismatched quota is answered without it), the
--- quarantine (read by its TTL, which a key of any type has, so it would read as one), and the
--- leases and holders (reaping and a new limit write before they are read otherwise), and the
--- limit, read here for later. The epoch is read before anything is written. renew.lua and
--- snapshot.lua check what they read where they read it.
-redis.call('GET', KEYS[3])
-redis.call('GET', KEYS[5])
-redis.call('ZCARD', KEYS[1])
-redis.call('HGET', KEYS[2], '')
-local stored = redis.call('HMGET', KEYS[7], 'limit', 'version')
+-- written (common.lua): a full, quarantined or mismatched quota is answered without reading the
+-- fence, and reaping and a new limit write before the leases and holders are read. The epoch is
+-- read before anything is written.
+local stored = check_types(KEYS[7])
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- Dataset loss (common.lua): the epoch in force, and whether this caller saw another.
-local epoch, seq, stale = check_epoch(t, now, ttl, ARGV[3], ARGV[5], ARGV[6], KEYS[7])
+local epoch, seq, stale = check_epoch(t, now, ttl, ARGV[3], ARGV[5], ARGV[6], nil)
 local extended = false
 
 -- Reap expired leases and their metadata; no janitor runs anywhere else.

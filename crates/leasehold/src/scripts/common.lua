@@ -27,6 +27,19 @@ local function later(s1, u1, s2, u2)
   return s1 > s2 or (s1 == s2 and u1 > u2)
 end
 
+-- The keys acquire and renew share (KEYS[1] leases, KEYS[2] holders, KEYS[3] fence, KEYS[5]
+-- quarantine) and the quota's `limit_key`: a foreign value in one of them fails the call here
+-- (WRONGTYPE), before it writes anything, rather than halfway, or never (the quarantine is read
+-- by its TTL, which a key of any type has). Only commands the least-privilege ACL of the README
+-- grants. Returns the stored limit and version (HMGET), which acquire needs anyway.
+local function check_types(limit_key)
+  redis.call('GET', KEYS[3])
+  redis.call('GET', KEYS[5])
+  redis.call('ZCARD', KEYS[1])
+  redis.call('HGET', KEYS[2], '')
+  return redis.call('HMGET', limit_key, 'limit', 'version')
+end
+
 -- Dataset loss (PROTOCOL.md §5.2 step 1, §8), for acquire and renew, whose KEYS[3], KEYS[4] and
 -- KEYS[5] are the fence, the epoch and the quarantine. A caller that saw another epoch (or one
 -- that vanished) proves the quota's state was lost while leases may still run. Admissions pause
@@ -36,9 +49,11 @@ end
 -- quarantines nobody.
 -- `t` is this call's TIME and `now` it in ms; `sent`, `sent_seq` and `highest_token` are the
 -- epoch id the caller saw (or ''), the highest seq it saw in it and the highest fencing token it
--- saw in this quota (checked arguments); `limit_key` is the quota's limit key. Returns the epoch
--- id in force, its stored seq, and whether the call is stale.
-local function check_epoch(t, now, ttl, sent, sent_seq, highest_token, limit_key)
+-- saw in this quota (checked arguments); `unchecked_limit_key` is the quota's limit key when the
+-- caller has not run check_types yet (renew: it needs the check only when this call writes),
+-- nil when it has (acquire). Returns the epoch id in force, its stored seq, and whether the
+-- call is stale.
+local function check_epoch(t, now, ttl, sent, sent_seq, highest_token, unchecked_limit_key)
   local mark = redis.call('HMGET', KEYS[4], 'id', 'seq')
   local epoch, seq = mark[1], tonumber(mark[2]) or 0
   local stale = sent ~= '' and sent ~= epoch
@@ -51,16 +66,9 @@ local function check_epoch(t, now, ttl, sent, sent_seq, highest_token, limit_key
     local es, eu = stamp(epoch)
     went_back = ss and es and later(ss, su, es, eu)
   end
-  if stale or not epoch then
-    -- This call writes below. The keys it reads after that (the fence, the quarantine, the
-    -- limit, the leases, the holders) fail it now (WRONGTYPE) if they hold a foreign value,
-    -- before it writes anything, rather than halfway. Only commands the least-privilege ACL
-    -- of the README grants (GET, HGET, ZCARD).
-    redis.call('GET', KEYS[3])
-    redis.call('GET', KEYS[5])
-    redis.call('HGET', limit_key, 'limit')
-    redis.call('ZCARD', KEYS[1])
-    redis.call('HGET', KEYS[2], '')
+  if unchecked_limit_key and (stale or not epoch) then
+    -- This call writes below, and reads the other keys after that.
+    check_types(unchecked_limit_key)
   end
   if went_back then
     epoch, stale = nil, true
