@@ -27,6 +27,9 @@
 //! | limit      | W                       | - (W when stale)        | -       | -      | -      | W         | W              |
 //! | cancel:id  | no marker (MGET)        | no marker (MGET)        | -       | replaced by SET | W | -      | -              |
 
+mod common;
+
+use common::scripts::key;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -64,10 +67,6 @@ const KEYS: [(&str, Kind); 8] = [
 
 /// With and without a TTL: the quarantine and the waiting marker are read by their TTL.
 const TTLS: [Option<u64>; 2] = [None, Some(60_000)];
-
-fn key(quota: &str, suffix: &str) -> String {
-    format!("leasehold:{{{quota}}}:{suffix}")
-}
 
 /// Every foreign value a key of type `own` can hold: one cell per other type, with and without
 /// a TTL.

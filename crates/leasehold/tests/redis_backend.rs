@@ -5,6 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::scripts::{acquire_args, run, RELEASE_LUA};
 use leasehold::{Error, LostReason, Misconfiguration, Quota, RedisBackend};
 use leasehold_testkit::{free_port, RedisServer};
 
@@ -760,12 +761,6 @@ async fn a_burst_shares_script_calls_and_admits_exactly_the_limit() {
     assert!(release_calls <= released as u64);
 }
 
-const ACQUIRE_LUA: &str = concat!(
-    include_str!("../src/scripts/common.lua"),
-    include_str!("../src/scripts/acquire.lua")
-);
-const RELEASE_LUA: &str = include_str!("../src/scripts/release.lua");
-
 fn ints(reply: &leasehold_testkit::Reply) -> Vec<i64> {
     match reply {
         leasehold_testkit::Reply::Array(items) => {
@@ -784,31 +779,12 @@ fn eval_acquire(
     limit: u32,
     ids: &[&str],
 ) -> leasehold_testkit::Reply {
-    let k = |suffix: &str| format!("leasehold:{{{quota}}}:{suffix}");
-    let mut keys: Vec<String> = [
-        "leases",
-        "holders",
-        "fence",
-        "epoch",
-        "quarantine",
-        "waiting",
-        "limit",
-    ]
-    .iter()
-    .map(|s| k(s))
-    .collect();
-    keys.extend(ids.iter().map(|id| k(&format!("cancel:{id}"))));
-    let (numkeys, ttl, limit) = (
-        keys.len().to_string(),
-        ttl_ms.to_string(),
-        limit.to_string(),
-    );
-    let mut args = vec!["EVAL", ACQUIRE_LUA, &numkeys];
-    args.extend(keys.iter().map(String::as_str));
+    let (ttl, limit) = (ttl_ms.to_string(), limit.to_string());
     // No epoch (so no seq seen in it); limit version 0; no token seen.
-    args.extend([ttl.as_str(), limit.as_str(), "", "0", "0", "0"]);
-    args.extend(ids);
-    server.command(&args)
+    run(
+        server,
+        &acquire_args(quota, [&ttl, &limit, "", "0", "0", "0"], ids),
+    )
 }
 
 #[test]

@@ -9,26 +9,11 @@ use leasehold::backend::{AcquireReply, LeaseRecord, RenewOutcome};
 use leasehold::{Backend, Error, Misconfiguration, QuotaKeys, RedisBackend, VersionedLimit};
 use leasehold_testkit::{RedisServer, Reply};
 
-// As the library sends them: common.lua, then the script.
-const ACQUIRE_LUA: &str = concat!(
-    include_str!("../src/scripts/common.lua"),
-    include_str!("../src/scripts/acquire.lua")
-);
-const RENEW_LUA: &str = concat!(
-    include_str!("../src/scripts/common.lua"),
-    include_str!("../src/scripts/renew.lua")
-);
-const SET_LIMIT_LUA: &str = concat!(
-    include_str!("../src/scripts/common.lua"),
-    include_str!("../src/scripts/set_limit.lua")
-);
+mod common;
+use common::scripts::{acquire_args, eval, key, renew_args, run, SET_LIMIT_LUA};
 
 /// 2^53 - 1: the largest token, seq, limit version and ttl a script takes.
 const MAX: &str = "9007199254740991";
-
-fn key(quota: &str, suffix: &str) -> String {
-    format!("leasehold:{{{quota}}}:{suffix}")
-}
 
 /// Every key of the server with its serialized value, in order: what a refused call must leave
 /// exactly as it was (TTLs aside, which `DUMP` does not carry).
@@ -54,62 +39,6 @@ fn dataset(server: &RedisServer) -> Vec<(Vec<u8>, Vec<u8>)> {
             }
         })
         .collect()
-}
-
-/// `EVAL <script>` for `quota`: its keys named by `suffixes`, then the cancel markers of
-/// `marked` task ids, then `args`.
-fn eval(
-    script: &str,
-    quota: &str,
-    suffixes: &[&str],
-    marked: &[&str],
-    args: &[&str],
-) -> Vec<String> {
-    let keys: Vec<String> = suffixes
-        .iter()
-        .map(|s| key(quota, s))
-        .chain(marked.iter().map(|id| key(quota, &format!("cancel:{id}"))))
-        .collect();
-    let mut all = vec!["EVAL".to_owned(), script.to_owned(), keys.len().to_string()];
-    all.extend(keys);
-    all.extend(args.iter().map(|s| s.to_string()));
-    all
-}
-
-fn acquire_args(quota: &str, args: [&str; 6], ids: &[&str]) -> Vec<String> {
-    let suffixes = [
-        "leases",
-        "holders",
-        "fence",
-        "epoch",
-        "quarantine",
-        "waiting",
-        "limit",
-    ];
-    eval(
-        ACQUIRE_LUA,
-        quota,
-        &suffixes,
-        ids,
-        &[&args[..], ids].concat(),
-    )
-}
-
-fn renew_args(quota: &str, args: [&str; 4], pairs: &[&str]) -> Vec<String> {
-    let suffixes = ["leases", "holders", "fence", "epoch", "quarantine", "limit"];
-    let ids: Vec<&str> = pairs.chunks(2).map(|pair| pair[0]).collect();
-    eval(
-        RENEW_LUA,
-        quota,
-        &suffixes,
-        &ids,
-        &[&args[..], pairs].concat(),
-    )
-}
-
-fn run(server: &RedisServer, args: &[String]) -> Reply {
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    server.command(&args)
 }
 
 fn code_of_first_answer(reply: &Reply) -> i64 {

@@ -5,6 +5,7 @@
 
 pub mod counting;
 pub mod proxied;
+pub mod scripts;
 pub mod switchable;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
