@@ -193,8 +193,8 @@ impl QuotaBuilder {
     /// arrives (Pub/Sub can lose messages): jittered between half and one and a half of it, and
     /// never past the expiry hint of its last full answer or the ttl. The other waiters of the
     /// process poll together, one poll for all of them (so their attempts share one backend
-    /// call), every 0.5–1.5 × 4 × this, at most the ttl. Default 250 ms; between 1 ms and [`MAX_TTL`] (a longer one
-    /// would change nothing: no sleep outlasts the ttl).
+    /// call), every 0.5–1.5 × 4 × this, at most the ttl. Default 250 ms; between 1 ms and
+    /// [`MAX_TTL`] (a longer one would change nothing: no sleep outlasts the ttl).
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.poll_interval = every;
         self
