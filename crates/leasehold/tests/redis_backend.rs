@@ -1248,7 +1248,16 @@ fn a_slot_a_wedged_waiter_gives_back_keeps_the_lease_another_caller_shares() {
         holders,
         holder,
     } = Full::held("shared-id", ttl);
-    let quota = main.block_on(quota_on(&server, "shared-id", 1, ttl));
+    // No poll of its own: a poll that went out just before the wedge would keep the waiter busy
+    // on its own attempt, so the release event would not start one for it (by design), and its
+    // late retry would admit "x" only for the moment before the dropped waiter lets it go.
+    let quota = Quota::builder("shared-id")
+        .limit(1)
+        .ttl(ttl)
+        .poll_interval(Duration::from_secs(10))
+        .backend(main.block_on(RedisBackend::connect(&server.url())).unwrap())
+        .build()
+        .unwrap();
     let in_app = quota.clone();
     let app = on_own_runtime(move || async move {
         let waiter = tokio::spawn(async move { in_app.acquire("x").await });
