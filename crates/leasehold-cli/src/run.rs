@@ -62,9 +62,10 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
         // Admitted, but its local deadline passed before we could start (a stop, a slow reply):
         // the slot may be someone else's already.
         let _ = lease.release().await;
+        let reason = lease.lost_reason().unwrap_or(LostReason::LocalDeadline);
         eprintln!(
             "leasehold: {}; the command was not started",
-            LostReason::LocalDeadline
+            exit::one_line(&reason.to_string())
         );
         return Ok(exit::LEASE_LOST);
     }
@@ -121,7 +122,8 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
     // not look like one worth running again (exit 79).
     if matches!(
         outcome,
-        Outcome::StoppedTooLong | Outcome::Lost(LostReason::LocalDeadline)
+        Outcome::StoppedTooLong
+            | Outcome::Lost(LostReason::LocalDeadline | LostReason::RenewalRefused(_))
     ) {
         if let Some(reason) = cancelled_meanwhile(&quota, lease.task_id()).await {
             outcome = Outcome::Lost(LostReason::Cancelled(reason));

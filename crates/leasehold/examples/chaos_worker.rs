@@ -152,6 +152,7 @@ fn outcome(reason: &LostReason) -> &'static str {
         LostReason::ReleasedElsewhere => "lost-released-elsewhere",
         LostReason::Superseded => "lost-superseded",
         LostReason::LocalDeadline => "lost-local-deadline",
+        LostReason::RenewalRefused(_) => "lost-renewal-refused",
         LostReason::Released => "lost-released",
         _ => "lost-other",
     }

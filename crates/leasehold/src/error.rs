@@ -20,11 +20,16 @@ pub enum LostReason {
     /// The task was cancelled; the text is the canceller's reason.
     Cancelled(String),
     /// The backend could not confirm a renewal before the holder's own monotonic deadline
-    /// (last acknowledged renewal + ttl − safety margin). The backend may already have given the
-    /// slot to someone else, so the holder must stop. Renewals the backend refused for a
-    /// misconfiguration (a foreign value in one of the quota's keys, missing ACL rights) end
-    /// the same way; each refusal is logged at error level (`tracing`).
+    /// (last acknowledged renewal + ttl − safety margin): it was unreachable or too slow, or this
+    /// process was paused. The backend may already have given the slot to someone else, so the
+    /// holder must stop.
     LocalDeadline,
+    /// The holder's own monotonic deadline passed (as for
+    /// [`LocalDeadline`](LostReason::LocalDeadline)) while the backend answered its latest
+    /// renewal with a refusal that retrying cannot fix: a foreign value in one of the quota's
+    /// keys, missing ACL rights. An operator must fix what the refusal names; the holder had to
+    /// stop all the same. Each refusal is also logged at error level (`tracing`).
+    RenewalRefused(Misconfiguration),
     /// This process released the lease itself.
     Released,
 }
@@ -44,7 +49,11 @@ impl std::fmt::Display for LostReason {
             LostReason::Cancelled(reason) => write!(f, "task cancelled: {reason}"),
             LostReason::LocalDeadline => f.write_str(
                 "local deadline passed before a renewal was confirmed (the backend \
-                 unreachable, slow or refusing renewals, or this process paused)",
+                 unreachable or slow, or this process paused)",
+            ),
+            LostReason::RenewalRefused(refusal) => write!(
+                f,
+                "local deadline passed while the backend refused renewals: {refusal}"
             ),
             LostReason::Released => f.write_str("lease released by its holder"),
         }

@@ -14,7 +14,7 @@ use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{RenewOutcome, RENEW_BATCH};
-use crate::error::{Error, LostReason};
+use crate::error::{Error, LostReason, Misconfiguration};
 use crate::lease::{LeaseInner, ReleaseState};
 use crate::quota::Shared;
 use crate::runtime;
@@ -61,7 +61,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
             let leases = shared.leases();
             for lease in &leases {
                 if now >= lease.local_deadline() {
-                    lease.mark_lost(LostReason::LocalDeadline);
+                    lease.mark_lost(lease.local_deadline_reason());
                 }
             }
             let any_due = leases.iter().any(|l| !l.is_lost() && now >= l.renew_due());
@@ -146,15 +146,23 @@ async fn renew(
     let reply = match reply {
         Ok(reply) => reply,
         Err(e) => {
-            if e.is_transient() {
+            let refusal = match &e {
+                _ if e.is_transient() => None,
+                Error::Misconfigured(m) => Some(m.clone()),
+                other => Some(Misconfiguration::Protocol(other.to_string())),
+            };
+            if refusal.is_none() {
                 tracing::warn!(quota = %shared.keys.name, leases = leases.len(), error = %e,
                     "renewal failed; leases keep their local deadlines");
             } else {
                 // Not an outage: retrying cannot help until an operator fixes it (a foreign key
                 // in the quota's namespace, ACL rights...). The holders stop at their local
-                // deadlines all the same, reported as `LocalDeadline`: say why here.
+                // deadlines all the same, told `RenewalRefused` with the refusal.
                 tracing::error!(quota = %shared.keys.name, leases = leases.len(), error = %e,
                     "renewal refused; leases will be lost at their local deadlines unless this is fixed");
+            }
+            for lease in leases.iter().filter_map(|(lease, _)| lease.upgrade()) {
+                lease.renewal_failed(sent, refusal.clone());
             }
             return;
         }

@@ -8,7 +8,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::LeaseRecord;
-use crate::error::{Error, LostReason, Result};
+use crate::error::{Error, LostReason, Misconfiguration, Result};
 use crate::quota::Shared;
 use crate::runtime;
 
@@ -79,6 +79,22 @@ struct Times {
     /// then one heartbeat after each beat that renewed it. A lease adopted just after a beat
     /// would otherwise wait for the next one, having spent its acquire round trip already.
     renew_due: Instant,
+    /// The refusal in the answer to the latest renewal call (by send time) that was answered
+    /// or failed, `None` when that call renewed the lease or failed transiently: what the
+    /// holder is told if its local deadline passes.
+    refusal: Option<Misconfiguration>,
+    /// When the call that set `refusal` was sent; an older call's late outcome does not count.
+    outcome_sent: Instant,
+}
+
+impl Times {
+    /// Records the outcome of a renewal call sent at `sent`, unless a later call's is in.
+    fn outcome(&mut self, sent: Instant, refusal: Option<Misconfiguration>) {
+        if sent >= self.outcome_sent {
+            self.outcome_sent = sent;
+            self.refusal = refusal;
+        }
+    }
 }
 
 impl std::fmt::Debug for Lease {
@@ -112,6 +128,8 @@ impl LeaseInner {
                 epoch: record.epoch.as_str().into(),
                 epoch_sent: sent,
                 renew_due,
+                refusal: None,
+                outcome_sent: sent,
             }),
             lost: watch::channel(None).0,
             lost_token: CancellationToken::new(),
@@ -193,6 +211,7 @@ impl LeaseInner {
         }
         times.deadline_ms = times.deadline_ms.max(deadline_ms);
         times.local_deadline = times.local_deadline.max(local);
+        times.outcome(sent, None);
         if sent >= times.epoch_sent {
             times.epoch_sent = sent;
             if *times.epoch != *epoch {
@@ -200,6 +219,21 @@ impl LeaseInner {
             }
         }
         true
+    }
+
+    /// A renewal call sent at `sent` failed: `refusal` is what the backend refused it for, or
+    /// `None` for a transient failure (an outage, a timeout).
+    pub(crate) fn renewal_failed(&self, sent: Instant, refusal: Option<Misconfiguration>) {
+        self.times().outcome(sent, refusal);
+    }
+
+    /// Why the lease ends at its local deadline: the latest renewal's refusal, if it was
+    /// refused, else no renewal confirmed in time.
+    pub(crate) fn local_deadline_reason(&self) -> LostReason {
+        match &self.times().refusal {
+            Some(refusal) => LostReason::RenewalRefused(refusal.clone()),
+            None => LostReason::LocalDeadline,
+        }
     }
 
     /// Marks the lease lost (first reason wins); returns whether this call marked it.
@@ -240,6 +274,7 @@ impl LeaseInner {
             Some(
                 LostReason::Released
                     | LostReason::LocalDeadline
+                    | LostReason::RenewalRefused(_)
                     | LostReason::Cancelled(_)
                     | LostReason::ReleasedElsewhere
             )
@@ -369,7 +404,9 @@ impl Lease {
     pub fn ensure_held(&self) -> Result<()> {
         match self.lost_reason() {
             Some(reason) => Err(Error::LeaseLost(reason)),
-            None if self.inner.is_over() => Err(Error::LeaseLost(LostReason::LocalDeadline)),
+            None if self.inner.is_over() => {
+                Err(Error::LeaseLost(self.inner.local_deadline_reason()))
+            }
             None => Ok(()),
         }
     }

@@ -429,9 +429,9 @@ const RENEW_TTL: Duration = Duration::from_secs(1);
 /// What a held lease's renewals make of a foreign key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Expect {
-    /// Every renewal fails with WrongType: the holder hears nothing but stops at its local
-    /// deadline (`LostReason::LocalDeadline`), as in an outage.
-    StopsAtLocalDeadline,
+    /// Every renewal fails with WrongType: the holder stops at its local deadline, as in an
+    /// outage, told `LostReason::RenewalRefused` with the refusal.
+    StopsRefused,
     /// Renewals do not read the key: the lease lives on.
     Held,
 }
@@ -481,11 +481,18 @@ async fn renewal_cell(
     put_foreign(&server, &name, suffix, kind, ttl);
     let overwritten = Instant::now();
     match expect {
-        Expect::StopsAtLocalDeadline => {
+        Expect::StopsRefused => {
             let reason = tokio::time::timeout(RENEW_TTL * 3, lease.lost())
                 .await
                 .unwrap_or_else(|_| panic!("{cell}: the holder never stopped"));
-            assert_eq!(reason, LostReason::LocalDeadline, "{cell}");
+            assert!(
+                matches!(
+                    &reason,
+                    LostReason::RenewalRefused(Misconfiguration::WrongType { quota, .. })
+                        if *quota == name
+                ),
+                "{cell}: {reason:?}"
+            );
             // Not at the first failed renewal: at the local deadline, as in an outage.
             assert!(
                 Instant::now() >= lease.local_deadline(),
@@ -509,10 +516,9 @@ async fn renewal_cell(
 /// Renewal reads `epoch`, `leases` and `holders` on every call, the fence, the quarantine and
 /// the limit only when the call is stale (after a loss of the quota's state), and the cancel
 /// markers with `MGET` (a foreign type is no marker). A foreign value in a key it reads fails
-/// every renewal of the quota with WrongType; the holder is not told (the error is only
-/// logged, `renewal failed; leases keep their local deadlines`) and stops at its local deadline
-/// with `LostReason::LocalDeadline`, as if Redis were down. That is safe (it stops before the
-/// server's deadline), but the misconfiguration only shows in logs and in other calls' errors.
+/// every renewal of the quota with WrongType; the error is logged at error level (`renewal
+/// refused`) and the holder stops at its local deadline, as if Redis were down (it stops before
+/// the server's deadline), told `LostReason::RenewalRefused` with the WrongType refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn renewals_fail_on_the_keys_they_read_and_the_holder_stops_at_its_local_deadline() {
     let setup = Setup::new().await;
@@ -520,7 +526,7 @@ async fn renewals_fail_on_the_keys_they_read_and_the_holder_stops_at_its_local_d
     for (suffix, own) in KEYS {
         for (kind, ttl) in foreign_values(own) {
             let expect = match suffix {
-                "epoch" | "leases" | "holders" => Expect::StopsAtLocalDeadline,
+                "epoch" | "leases" | "holders" => Expect::StopsRefused,
                 _ => Expect::Held,
             };
             let quota = setup.quota(2, RENEW_TTL);
@@ -538,16 +544,12 @@ async fn renewals_fail_on_the_keys_they_read_and_the_holder_stops_at_its_local_d
     // re-registered and its holder stops; the same when the loss was already detected by
     // another caller.
     for (suffix, state, expect) in [
-        ("fence", State::Lost, Expect::StopsAtLocalDeadline),
-        ("limit", State::Lost, Expect::StopsAtLocalDeadline),
-        ("quarantine", State::Lost, Expect::StopsAtLocalDeadline),
-        ("leases", State::Lost, Expect::StopsAtLocalDeadline),
-        ("holders", State::Lost, Expect::StopsAtLocalDeadline),
-        (
-            "quarantine",
-            State::LostAndDetected,
-            Expect::StopsAtLocalDeadline,
-        ),
+        ("fence", State::Lost, Expect::StopsRefused),
+        ("limit", State::Lost, Expect::StopsRefused),
+        ("quarantine", State::Lost, Expect::StopsRefused),
+        ("leases", State::Lost, Expect::StopsRefused),
+        ("holders", State::Lost, Expect::StopsRefused),
+        ("quarantine", State::LostAndDetected, Expect::StopsRefused),
     ] {
         let own = KEYS.iter().find(|(s, _)| *s == suffix).unwrap().1;
         for (kind, ttl) in foreign_values(own) {

@@ -587,6 +587,65 @@ async fn a_least_privilege_acl_user_recovers_from_a_loss_of_the_quotas_data() {
 
 /// The message is the fast path; the keys are the truth. A user whose ACL does not grant the
 /// channel still cancels and releases: the call must not report as failed what it did.
+/// Renewals the server refuses (here: the ACL user loses the right to run scripts while it
+/// holds leases) are not an outage: a holder still stops at its local deadline, not at the first
+/// refusal (an operator may fix it in time), and is told the refusal, not "unreachable".
+#[tokio::test]
+async fn a_renewal_refused_by_the_acl_ends_the_lease_at_its_local_deadline_with_the_refusal() {
+    let server = RedisServer::start();
+    let mut setuser = vec!["ACL", "SETUSER", "lh"];
+    setuser.extend_from_slice(LEASEHOLD_ACL);
+    assert_eq!(server.command(&setuser).as_string().as_deref(), Some("OK"));
+    let revoke = || server.command(&["ACL", "SETUSER", "lh", "-evalsha", "-eval"]);
+    let restore = || server.command(&["ACL", "SETUSER", "lh", "+evalsha", "+eval"]);
+    let url = format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port());
+    let ttl = Duration::from_millis(900);
+    let quota = Quota::builder("allowed")
+        .limit(2)
+        .ttl(ttl)
+        .backend(RedisBackend::connect(&url).await.unwrap())
+        .build()
+        .unwrap();
+
+    // Refused for less than the local deadline's reach: the next renewal confirms the lease.
+    let kept = quota.try_acquire("kept").await.unwrap();
+    revoke();
+    tokio::time::sleep(ttl / 2).await;
+    restore();
+    tokio::time::sleep(ttl * 2).await;
+    assert!(kept.is_held(), "{:?}", kept.lost_reason());
+
+    let lease = quota.try_acquire("refused").await.unwrap();
+    revoke();
+    let revoked = Instant::now();
+    let reason = tokio::time::timeout(ttl * 3, lease.lost())
+        .await
+        .expect("the holder must stop at its local deadline");
+    let fired = Instant::now();
+    restore();
+    assert!(
+        matches!(
+            &reason,
+            LostReason::RenewalRefused(Misconfiguration::NoPermission(_))
+        ),
+        "{reason:?}"
+    );
+    assert!(
+        fired >= lease.local_deadline(),
+        "lost {:?} after the revocation, before its local deadline",
+        revoked.elapsed()
+    );
+    assert!(reason.to_string().contains("refused"), "{reason}");
+    assert!(
+        matches!(
+            lease.ensure_held(),
+            Err(Error::LeaseLost(LostReason::RenewalRefused(_)))
+        ),
+        "{:?}",
+        lease.ensure_held()
+    );
+}
+
 #[tokio::test]
 async fn a_refused_publish_does_not_fail_a_cancel_or_a_release_already_done() {
     let server = RedisServer::start();
