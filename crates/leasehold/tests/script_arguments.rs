@@ -10,7 +10,9 @@ use leasehold::{Backend, Error, Misconfiguration, QuotaKeys, RedisBackend, Versi
 use leasehold_testkit::{RedisServer, Reply};
 
 mod common;
-use common::scripts::{acquire_args, eval, key, renew_args, run, SET_LIMIT_LUA};
+use common::scripts::{
+    acquire_args, eval, key, renew_args, run, CANCEL_LUA, RELEASE_LUA, SET_LIMIT_LUA,
+};
 
 /// 2^53 - 1: the largest token, seq, limit version and ttl a script takes.
 const MAX: &str = "9007199254740991";
@@ -134,6 +136,36 @@ fn malformed_arguments_are_refused_and_change_nothing() {
             eval(SET_LIMIT_LUA, q, &["limit"], &[], &[limit, version]),
         ));
     }
+    let release = |args: &[&str]| {
+        let channel = key(q, "events");
+        let all = [&[channel.as_str()][..], args].concat();
+        eval(RELEASE_LUA, q, &["leases", "holders", "waiting"], &[], &all)
+    };
+    calls.push(("release without pairs", release(&[])));
+    calls.push(("release of half a pair", release(&["a"])));
+    calls.push(("release of a pair and a half", release(&["a", "1", "b"])));
+    let too_many: Vec<String> = (0..1001)
+        .flat_map(|i| [format!("x{i}"), "1".into()])
+        .collect();
+    let too_many: Vec<&str> = too_many.iter().map(String::as_str).collect();
+    calls.push(("release of 1001 pairs", release(&too_many)));
+    let channel = key(q, "events");
+    for ttl in ["0", "-5", "1.5", "1e3", "", "01", "9007199254740992"] {
+        calls.push((
+            "cancel marker ttl",
+            eval(
+                CANCEL_LUA,
+                q,
+                &["leases"],
+                &["a"],
+                &["a", "why", ttl, &channel],
+            ),
+        ));
+    }
+    calls.push((
+        "cancel without a channel",
+        eval(CANCEL_LUA, q, &["leases"], &["a"], &["a", "why", "1000"]),
+    ));
 
     let before = dataset(&server);
     for (what, call) in &calls {

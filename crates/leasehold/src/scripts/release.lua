@@ -5,7 +5,11 @@
 -- Reply: one value per pair, in argument order: 1 if a lease was removed, 0 otherwise. A removal
 -- is announced on the channel when someone may be waiting (the waiting marker exists) or when it
 -- was forced (its holder must learn it). One call for k pairs answers exactly what k calls in a
--- row would.
+-- row would. A call without a complete pair, or with more than 1000, fails with a `LEASEHOLD`
+-- error before anything is read (§2).
+if #ARGV < 3 or #ARGV % 2 == 0 or #ARGV > 2001 then
+  return redis.error_reply('LEASEHOLD invalid pairs (ARGV[2..]): ' .. (#ARGV - 1) .. ' values, want 2 to 2000 and even')
+end
 local ids, wanted = {}, {}
 for k = 2, #ARGV, 2 do
   ids[#ids + 1] = ARGV[k]
