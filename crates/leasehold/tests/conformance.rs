@@ -1719,8 +1719,8 @@ async fn the_expiry_hint_of_a_full_answer_skips_a_lease_at_its_deadline(fx: Fixt
 /// marker: it is Redis's key expiry, which keeps a key through its expiry millisecond (expired
 /// once `now > cancel + ttl`); the memory backend mirrors that (`expires >= now`). So a try
 /// counts only if the cancel's time `c` is known exactly (the cancel reply carries no time: it
-/// is bracketed by snapshots), an acquire run entirely at `c + ttl` was refused, and the
-/// admission came at `c + ttl + 1`.
+/// is bracketed by snapshots), an acquire that started at `c + ttl − 1` or later was refused,
+/// and the admission came by `c + ttl + 1`.
 ///
 /// Tolerance of the hard assertions: Redis expires keys by the time its script *started* (and,
 /// from 7.2, sets a `PX` expiry from it too), while a script's `now` is `TIME` read inside it,
@@ -1823,8 +1823,14 @@ async fn a_cancel_marker_refuses_its_task_for_its_ttl_then_lets_it_in_again(fx: 
             admitted.now_ms as i64 - expiry as i64,
         );
         println!("{observed}");
-        let pinned =
-            s0 == s1 && refusals.contains(&(expiry, expiry)) && admitted.now_ms == expiry + 1;
+        // Each refusal is bracketed by two snapshots, a round trip or more apart: within 1 ms
+        // (the last refusal started at `c + ttl − 1` or later, the admission came by
+        // `c + ttl + 1`), not to the millisecond, which needed a refusal and its snapshots
+        // within one millisecond and failed 5 of 6 runs on a quiet 2-core machine (debug
+        // build, a round trip about 0.3 ms).
+        let pinned = s0 == s1
+            && last.is_some_and(|(before, _)| before + 1 >= expiry)
+            && admitted.now_ms <= expiry + 1;
         if pinned {
             return;
         }
