@@ -10,7 +10,11 @@ use leasehold::{Error, LostReason, Misconfiguration, Quota, RedisBackend};
 use leasehold_testkit::{free_port, RedisServer};
 
 async fn quota_on(server: &RedisServer, name: &str, limit: u64, ttl: Duration) -> Quota {
-    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    quota_at(&server.url(), name, limit, ttl).await
+}
+
+async fn quota_at(url: &str, name: &str, limit: u64, ttl: Duration) -> Quota {
+    let backend = RedisBackend::connect(url).await.unwrap();
     Quota::builder(name)
         .limit(limit)
         .ttl(ttl)
@@ -513,13 +517,18 @@ const LEASEHOLD_ACL: &[&str] = &[
     "+publish",
 ];
 
-#[tokio::test]
-async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
-    let server = RedisServer::start();
+/// Creates the ACL user `lh` of [`LEASEHOLD_ACL`] on `server`; returns its URL.
+fn least_privilege_user(server: &RedisServer) -> String {
     let mut setuser = vec!["ACL", "SETUSER", "lh"];
     setuser.extend_from_slice(LEASEHOLD_ACL);
     assert_eq!(server.command(&setuser).as_string().as_deref(), Some("OK"));
-    let url = format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port());
+    format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port())
+}
+
+#[tokio::test]
+async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
+    let server = RedisServer::start();
+    let url = least_privilege_user(&server);
     let backend = RedisBackend::connect(&url).await.unwrap();
     let ttl = Duration::from_millis(600);
     let allowed = Quota::builder("allowed")
@@ -553,17 +562,9 @@ async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
 #[tokio::test]
 async fn a_least_privilege_acl_user_recovers_from_a_loss_of_the_quotas_data() {
     let server = RedisServer::start();
-    let mut setuser = vec!["ACL", "SETUSER", "lh"];
-    setuser.extend_from_slice(LEASEHOLD_ACL);
-    assert_eq!(server.command(&setuser).as_string().as_deref(), Some("OK"));
-    let url = format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port());
+    let url = least_privilege_user(&server);
     let ttl = Duration::from_millis(900);
-    let quota = Quota::builder("allowed")
-        .limit(2)
-        .ttl(ttl)
-        .backend(RedisBackend::connect(&url).await.unwrap())
-        .build()
-        .unwrap();
+    let quota = quota_at(&url, "allowed", 2, ttl).await;
     let lease = quota.try_acquire("a").await.unwrap();
     server.command(&["FLUSHALL"]);
     let newcomer = quota.try_acquire("b").await;
@@ -600,12 +601,7 @@ async fn a_renewal_refused_by_the_acl_ends_the_lease_at_its_local_deadline_with_
     let restore = || server.command(&["ACL", "SETUSER", "lh", "+evalsha", "+eval"]);
     let url = format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port());
     let ttl = Duration::from_millis(900);
-    let quota = Quota::builder("allowed")
-        .limit(2)
-        .ttl(ttl)
-        .backend(RedisBackend::connect(&url).await.unwrap())
-        .build()
-        .unwrap();
+    let quota = quota_at(&url, "allowed", 2, ttl).await;
 
     // Refused for less than the local deadline's reach: the next renewal confirms the lease.
     let kept = quota.try_acquire("kept").await.unwrap();
