@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 use tokio::time::sleep_until;
@@ -40,6 +40,9 @@ impl Alarm {
         }
     }
 }
+
+/// How soon a renewal that failed transiently is tried again (at most one heartbeat).
+const RENEWAL_RETRY: Duration = Duration::from_millis(250);
 
 pub(crate) fn start(shared: &Arc<Shared>) {
     let stop = shared.shutdown.clone();
@@ -161,8 +164,19 @@ async fn renew(
                 tracing::error!(quota = %shared.keys.name, leases = leases.len(), error = %e,
                     "renewal refused; leases will be lost at their local deadlines unless this is fixed");
             }
+            // Tried again soon, not a heartbeat later: most failures come fast (a refused
+            // connection while Redis restarts, LOADING, READONLY during a failover), and a
+            // lease that waited a whole beat would survive an outage one heartbeat shorter
+            // than its ttl allows. A timed-out renewal ends at the local deadline anyway.
+            let retry_at = Instant::now() + RENEWAL_RETRY.min(shared.config.heartbeat);
             for lease in leases.iter().filter_map(|(lease, _)| lease.upgrade()) {
                 lease.renewal_failed(sent, refusal.clone());
+                if refusal.is_none() {
+                    lease.renew_by(retry_at);
+                }
+            }
+            if refusal.is_none() {
+                shared.alarm.renewal_due(retry_at);
             }
             return;
         }

@@ -180,6 +180,12 @@ impl LeaseInner {
         self.times().renew_due = next;
     }
 
+    /// A renewal of this lease failed: the next one is due by `at`, if not sooner.
+    pub(crate) fn renew_by(&self, at: Instant) {
+        let mut times = self.times();
+        times.renew_due = times.renew_due.min(at);
+    }
+
     /// The epoch this lease was last confirmed in.
     pub(crate) fn epoch(&self) -> Arc<str> {
         self.times().epoch.clone()

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use common::{eventually, subscribers};
 use leasehold::{
     BackendDownPolicy, BreakerConfig, BreakerMode, Error, Lease, LostReason, Quota, RedisBackend,
+    RedisOptions,
 };
 use leasehold_testkit::RedisServer;
 
@@ -115,6 +116,103 @@ async fn fail_closed_refuses_at_once_once_the_circuit_is_open_and_recovers() {
     };
     assert!(!lease.is_local());
     assert_eq!(quota.breaker_mode(), BreakerMode::Closed);
+}
+
+/// A port that refuses connections is known at once: no call waits for its timeout (3 s here),
+/// the error says "refused", and the short-circuit opens after as many quick failures. When
+/// Redis is back, the first call goes through: the connection attempt that failed a moment
+/// earlier is not what it sees.
+#[tokio::test]
+async fn a_refused_connection_is_refused_at_once_and_the_first_call_after_it_goes_through() {
+    let mut server = RedisServer::start();
+    let options = RedisOptions {
+        call_timeout: Duration::from_secs(3),
+        ..RedisOptions::default()
+    };
+    let quota = Quota::builder("refused")
+        .limit(2)
+        .ttl(TTL)
+        .breaker(BreakerConfig {
+            failures_to_open: 3,
+            cool_down: Duration::from_secs(30),
+        })
+        .backend(
+            RedisBackend::connect_with(&server.url(), options)
+                .await
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    drop(quota.try_acquire("before").await.unwrap());
+    quota.flush().await;
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut took = Vec::new();
+    while quota.breaker_mode() != BreakerMode::Open {
+        assert!(took.len() < 3, "still closed after 3 refusals");
+        let asked = Instant::now();
+        let err = quota.try_acquire("t").await.unwrap_err();
+        took.push(asked.elapsed());
+        assert!(
+            matches!(&err, Error::BackendUnavailable(why) if why.contains("refused")),
+            "{err:?}"
+        );
+    }
+    println!("refusals until the circuit opened: {took:?}");
+    // Each used to wait out the call timeout (3 s); a generous bound for a loaded machine.
+    assert!(
+        took.iter().all(|t| *t < Duration::from_millis(750)),
+        "{took:?}"
+    );
+    server.restart();
+    // `status` does not go through the short-circuit: it shows the link itself.
+    let asked = Instant::now();
+    let status = quota.status().await;
+    println!("first call after the restart: {:?}", asked.elapsed());
+    assert!(status.is_ok(), "{status:?}");
+}
+
+/// A renewal that fails at once (here: refused while Redis restarts) is tried again a quarter
+/// second later, not a heartbeat later: a restart that spans two beats but ends before the local
+/// deadline keeps the lease (re-registered after the loss of the data, PROTOCOL.md §8).
+#[tokio::test]
+async fn a_holder_keeps_its_lease_through_a_restart_that_spans_two_heartbeats() {
+    let mut server = RedisServer::start();
+    let ttl = Duration::from_secs(3); // heartbeat 1 s, margin 150 ms
+    let quota = Quota::builder("restarted")
+        .limit(2)
+        .ttl(ttl)
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("steady").await.unwrap();
+    // Right after a confirmed renewal: its local deadline is about ttl − margin away.
+    let first = lease.local_deadline();
+    let end = Instant::now() + Duration::from_secs(5);
+    while lease.local_deadline() == first {
+        assert!(Instant::now() < end, "no renewal");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let local_deadline = lease.local_deadline();
+    server.kill();
+    let killed = Instant::now();
+    // Down past the next two beats (about 1 s and 2 s after that renewal was sent).
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    server.restart();
+    let back = killed.elapsed();
+    let end = Instant::now() + Duration::from_secs(3);
+    while lease.local_deadline() == local_deadline && lease.is_held() {
+        assert!(Instant::now() < end, "neither renewed nor lost");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    println!(
+        "down {back:?}; renewed {:?} after the kill, {:?} before the local deadline",
+        killed.elapsed(),
+        local_deadline.saturating_duration_since(Instant::now())
+    );
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    tokio::time::sleep(ttl).await;
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
 }
 
 #[tokio::test]

@@ -296,6 +296,7 @@ impl RedisBackend {
     }
 
     async fn call_raw(&self, cmd: redis::Cmd) -> Result<Value> {
+        let cmd = &cmd;
         self.on_link("", |mut conn| async move {
             cmd.query_async::<Value>(&mut conn).await
         })
@@ -311,14 +312,29 @@ impl RedisBackend {
 
     /// Runs `call` on the current connection with the call timeout, mapping errors for the
     /// quota `quota`; its outcome feeds the wedge detection.
-    async fn on_link<T, F, Fut>(&self, quota: &str, call: F) -> Result<T>
+    ///
+    /// A refused connection is tried once more, at once: the connection makes one attempt per
+    /// reconnection (`new_manager`), and a failed attempt is what every call sees until a call
+    /// starts the next one, so the first refusal may be a moment old. Nothing was sent either
+    /// time (a refusal comes from `connect`), so the call cannot run twice.
+    async fn on_link<T, F, Fut>(&self, quota: &str, mut call: F) -> Result<T>
     where
-        F: FnOnce(ConnectionManager) -> Fut,
+        F: FnMut(ConnectionManager) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        let (conn, ticket) = self.inner.link.checkout();
         let timeout = self.inner.options.call_timeout;
-        let result = tokio::time::timeout(timeout, call(conn)).await;
+        let started = tokio::time::Instant::now();
+        let mut refused_before = false;
+        let (result, ticket) = loop {
+            let (conn, ticket) = self.inner.link.checkout();
+            let result = tokio::time::timeout_at(started + timeout, call(conn)).await;
+            match &result {
+                Ok(Err(e)) if e.is_connection_refusal() && !refused_before => {
+                    refused_before = true;
+                }
+                _ => break (result, ticket),
+            }
+        };
         let timed_out = match &result {
             Err(_) => true,
             // redis-rs's own response timeout (the same duration) may fire first.
@@ -365,6 +381,7 @@ impl RedisBackend {
             for arg in &args {
                 invocation.arg(arg);
             }
+            let invocation = &invocation;
             this.on_link(&quota, |mut conn| async move {
                 invocation.invoke_async::<Vec<Value>>(&mut conn).await
             })
@@ -519,6 +536,7 @@ impl Backend for RedisBackend {
 
     async fn cancel_reason(&self, keys: &QuotaKeys, task_id: &str) -> Result<Option<String>> {
         let key = keys.cancel(task_id);
+        let key = &key;
         self.on_link(&keys.name, |mut conn| async move {
             redis::cmd("GET")
                 .arg(key)
@@ -614,18 +632,18 @@ impl Backend for RedisBackend {
             if !unheard.is_empty() {
                 // Best effort: a failure leaves them subscribed, and their messages unrouted.
                 let _ = this
-                    .on_link(
-                        "",
-                        |mut conn| async move { conn.unsubscribe(&unheard).await },
-                    )
+                    .on_link("", |mut conn| {
+                        let unheard = &unheard;
+                        async move { conn.unsubscribe(unheard).await }
+                    })
                     .await;
             }
             // In place before the SUBSCRIBE, so the first messages after it find their way.
             let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
             this.inner.channels().insert(channel.clone(), sender);
-            let name = channel.clone();
+            let name = &channel;
             let result = this
-                .on_link("", |mut conn| async move { conn.subscribe(&name).await })
+                .on_link("", |mut conn| async move { conn.subscribe(name).await })
                 .await;
             if let Err(e) = result {
                 // Let the next caller try again.
