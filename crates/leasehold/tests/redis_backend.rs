@@ -38,6 +38,24 @@ async fn a_wrong_typed_key_is_misconfiguration_never_full() {
         "{err:?}"
     );
     assert!(!err.is_transient());
+    // The script's WRONGTYPE does not say which key: the error does, for the operator.
+    let text = err.to_string();
+    assert!(
+        text.contains("leasehold:{typed}:leases holds a string, not a zset"),
+        "{text}"
+    );
+    // Renewals and releases read other keys: the holder's error names the one it met.
+    server.command(&["DEL", "leasehold:{typed}:leases"]);
+    let lease = quota.try_acquire("t").await.unwrap();
+    server.command(&["DEL", "leasehold:{typed}:holders"]);
+    server.command(&["SET", "leasehold:{typed}:holders", "not a hash"]);
+    let err = lease.release().await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("leasehold:{typed}:holders holds a string, not a hash"),
+        "{err}"
+    );
+    server.command(&["DEL", "leasehold:{typed}:holders"]);
     assert_eq!(
         server
             .command(&["GET", "leasehold:{other}:leases"])
@@ -96,6 +114,43 @@ async fn a_wrong_typed_key_leaves_no_half_written_lease() {
             "{key}: t was held"
         );
     }
+}
+
+/// A fence of the right type that holds no token (written from outside) fails the acquire before
+/// it writes anything, naming the key: not the Lua arithmetic error it met halfway, after the
+/// expired leases were reaped and the limit stored.
+#[tokio::test]
+async fn a_fence_that_holds_no_token_is_refused_before_anything_is_written() {
+    let server = RedisServer::start();
+    server.command(&["SET", "leasehold:{fenced}:fence", "not a number"]);
+    server.command(&["ZADD", "leasehold:{fenced}:leases", "1", "old"]);
+    server.command(&["HSET", "leasehold:{fenced}:holders", "old", "1:1"]);
+    let quota = quota_on(&server, "fenced", 5, Duration::from_secs(5)).await;
+    let err = quota.try_acquire("t").await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, Error::Misconfigured(Misconfiguration::Protocol(_))),
+        "{err:?}"
+    );
+    assert!(
+        text.contains("foreign value in leasehold:{fenced}:fence"),
+        "{text}"
+    );
+    // Nothing reaped, no limit stored.
+    assert_eq!(
+        server
+            .command(&["ZCARD", "leasehold:{fenced}:leases"])
+            .as_int(),
+        Some(1)
+    );
+    assert_eq!(
+        server
+            .command(&["EXISTS", "leasehold:{fenced}:limit"])
+            .as_int(),
+        Some(0)
+    );
+    server.command(&["SET", "leasehold:{fenced}:fence", "7"]);
+    assert_eq!(quota.try_acquire("t").await.unwrap().fencing_token(), 8);
 }
 
 /// `rediss://` against a server without TLS times out (the server waits for a line the TLS
@@ -515,6 +570,8 @@ const LEASEHOLD_ACL: &[&str] = &[
     "+zrangebyscore",
     "+zremrangebyscore",
     "+publish",
+    // Only to name a key of the wrong type in an error (`Misconfiguration::WrongType`).
+    "+type",
 ];
 
 /// Creates the ACL user `lh` of [`LEASEHOLD_ACL`] on `server`; returns its URL.

@@ -358,6 +358,16 @@ impl RedisBackend {
             }
         }
         match result {
+            Ok(Err(e)) => Err(match map_error(e, quota) {
+                Error::Misconfigured(Misconfiguration::WrongType { quota, detail }) => {
+                    let detail = match self.wrong_typed_keys(&quota).await {
+                        Some(wrong) => format!("{wrong} ({detail})"),
+                        None => detail,
+                    };
+                    Misconfiguration::WrongType { quota, detail }.into()
+                }
+                other => other,
+            }),
             Ok(result) => result.map_err(|e| map_error(e, quota)),
             Err(_) => Err(Error::BackendUnavailable(format!(
                 "no reply from redis within {timeout:?}"

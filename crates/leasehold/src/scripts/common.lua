@@ -30,10 +30,16 @@ end
 -- The keys acquire and renew share (KEYS[1] leases, KEYS[2] holders, KEYS[3] fence, KEYS[5]
 -- quarantine) and the quota's `limit_key`: a foreign value in one of them fails the call here
 -- (WRONGTYPE), before it writes anything, rather than halfway, or never (the quarantine is read
--- by its TTL, which a key of any type has). Only commands the least-privilege ACL of the README
+-- by its TTL, which a key of any type has); so does a fence that holds no token (a `LEASEHOLD`
+-- error). Only commands the least-privilege ACL of the README
 -- grants. Returns the stored limit and version (HMGET), which acquire needs anyway.
 local function check_types(limit_key)
-  redis.call('GET', KEYS[3])
+  -- A string that is no token in the fence would fail the first admission's arithmetic, after
+  -- the reaping and the limit were written.
+  local fence = redis.call('GET', KEYS[3])
+  if fence and not integer(fence, 0, MAX) then
+    error({err = 'LEASEHOLD foreign value in ' .. KEYS[3] .. ': ' .. string.format('%q', fence) .. ' is no fencing token'})
+  end
   redis.call('GET', KEYS[5])
   redis.call('ZCARD', KEYS[1])
   redis.call('HGET', KEYS[2], '')

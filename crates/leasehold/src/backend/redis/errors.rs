@@ -2,7 +2,9 @@
 
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
+use super::RedisBackend;
 use crate::error::{Error, Misconfiguration};
+use crate::keys::QuotaKeys;
 
 /// Error codes with which a healthy server refuses for a while: a replica after a failover
 /// (`READONLY`, `MASTERDOWN`), too few replicas for `min-replicas-to-write` (`NOREPLICAS`), memory
@@ -85,5 +87,41 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         ))
         .into(),
         _ => Error::BackendUnavailable(text),
+    }
+}
+
+impl RedisBackend {
+    /// Names the keys of `quota` that hold another type than the protocol's, for an operator
+    /// who was told WRONGTYPE by a script (which does not say which key). Off the hot path: runs
+    /// only after such a refusal, bounded by the call timeout; `None` when it cannot tell (an
+    /// ACL without `TYPE`, no answer, or every key as expected by now).
+    pub(super) async fn wrong_typed_keys(&self, quota: &str) -> Option<String> {
+        let keys = QuotaKeys::new(quota).ok()?;
+        let expected = [
+            (&keys.leases, "zset"),
+            (&keys.holders, "hash"),
+            (&keys.fence, "string"),
+            (&keys.limit, "hash"),
+            (&keys.epoch, "hash"),
+            (&keys.quarantine, "string"),
+            (&keys.waiting, "string"),
+        ];
+        let mut pipe = redis::pipe();
+        for (key, _) in &expected {
+            pipe.cmd("TYPE").arg(key.as_str());
+        }
+        let (mut conn, _) = self.inner.link.checkout();
+        let types: Vec<String> =
+            tokio::time::timeout(self.inner.options.call_timeout, pipe.query_async(&mut conn))
+                .await
+                .ok()?
+                .ok()?;
+        let wrong: Vec<String> = expected
+            .iter()
+            .zip(&types)
+            .filter(|((_, want), got)| got.as_str() != "none" && got.as_str() != *want)
+            .map(|((key, want), got)| format!("{key} holds a {got}, not a {want}"))
+            .collect();
+        (!wrong.is_empty()).then(|| wrong.join("; "))
     }
 }
