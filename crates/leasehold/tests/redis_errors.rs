@@ -114,3 +114,35 @@ async fn a_failing_background_save_misconf_is_transient_not_misconfiguration() {
         "MISCONF passes once the disk is back: transient, got {err:?}"
     );
 }
+
+/// Something else listens on the port (an HTTP server, here): a misconfiguration, said on one
+/// line (redis-rs's parse errors span several, which a log line or the CLI's one-line errors
+/// would break).
+#[tokio::test]
+async fn a_peer_that_does_not_speak_redis_is_misconfiguration_on_one_line() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut peer, _)) = listener.accept().await {
+            let mut request = [0u8; 512];
+            let _ = peer.read(&mut request).await;
+            let _ = peer
+                .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                .await;
+        }
+    });
+    let started = Instant::now();
+    let err = RedisBackend::connect(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    println!("{:?}: {text}", started.elapsed());
+    assert!(
+        matches!(
+            err,
+            Error::Misconfigured(leasehold::Misconfiguration::Protocol(_))
+        ),
+        "{err:?}"
+    );
+    assert!(!text.contains('\n'), "{text:?}");
+}

@@ -32,7 +32,7 @@ use self::connection::{
     tcp_settings,
 };
 use self::epochs::SeenEpoch;
-use self::errors::map_error;
+use self::errors::{map_error, one_line};
 use self::link::{Link, Next};
 use self::replies::{int, text, versioned_limit};
 use super::batch::Batcher;
@@ -220,15 +220,16 @@ impl RedisBackend {
         let timeout = options.call_timeout;
         let connect_options = options.clone();
         runtime::run(async move {
-            // One plain connection first: the manager retries every failure, so a wrong password
-            // would only show as a timeout there.
+            // One plain connection first, to tell what answers the handshake (a wrong password,
+            // something else than Redis) before the manager is built.
             tokio::time::timeout(timeout, client.get_multiplexed_async_connection())
                 .await
                 .map_err(|_| no_connection_within(timeout))?
                 .map_err(|e| match e.kind() {
                     // Garbage in answer to the handshake: something else listens there.
                     ErrorKind::Parse => Misconfiguration::Protocol(format!(
-                        "the server does not answer like Redis: {e}"
+                        "the server does not answer like Redis: {}",
+                        one_line(&e.to_string())
                     ))
                     .into(),
                     _ => map_error(e, ""),

@@ -23,9 +23,19 @@ pub(super) const SERVER_BUSY_CODES: &[&str] = &[
     "MISCONF",
 ];
 
+/// `text` on one line: redis-rs words some errors (a parse error) over several, which breaks a
+/// log line and the CLI's one-line messages.
+pub(super) fn one_line(text: &str) -> String {
+    text.split('\n')
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Maps a redis-rs error to the operator's categories.
 pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
-    let text = e.to_string();
+    let text = one_line(&e.to_string());
     let code = e.code().unwrap_or("");
     if code == "WRONGTYPE" || text.contains("WRONGTYPE") {
         return Misconfiguration::WrongType {
