@@ -14,7 +14,9 @@ use std::time::Duration;
 use clap::Parser;
 
 use leasehold::backend::LimitUpdate;
-use leasehold::{validate_cancel_reason, validate_task_id, Quota, RedisBackend};
+use leasehold::{
+    validate_cancel_reason, validate_task_id, Error, Misconfiguration, Quota, RedisBackend,
+};
 
 use cli::{Cli, Command};
 use exit::Failure;
@@ -149,7 +151,26 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
         Command::Demo(_) => unreachable!("dispatched above"),
         Command::Limit(args) => {
             let limit = quota.limit();
-            match quota.set_limit(limit, args.limit_version).await? {
+            // The library's refusals speak of `set_limit`; here the limit and version came from
+            // the command line.
+            let update = match quota.set_limit(limit, args.limit_version).await {
+                Err(Error::Misconfigured(Misconfiguration::LimitVersionTaken {
+                    asked,
+                    stored,
+                    version,
+                })) => {
+                    return Err(Failure::new(
+                        exit::CONFIG,
+                        format!(
+                            "limit mismatch: limit {asked} asked at version {version}, but the \
+                             quota stores limit {stored} under that version; pass a \
+                             --limit-version above {version} to change the limit"
+                        ),
+                    ))
+                }
+                other => other?,
+            };
+            match update {
                 LimitUpdate::Stored(now) => {
                     output::tell(&format!(
                         "limit {} (version {}) stored; runs admit against it from their next \

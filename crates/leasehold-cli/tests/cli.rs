@@ -714,7 +714,10 @@ fn limit_changes_the_stored_limit_for_every_run_and_refuses_a_version_not_above_
     let stale = run_cli(&server.url(), "ops", ["limit", "5", "--limit-version", "1"]);
     assert_eq!(stale.status.code(), Some(78), "{}", stderr(&stale));
     assert!(
-        stderr(&stale).contains("limit mismatch"),
+        stderr(&stale).contains(
+            "limit mismatch: limit 5 asked at version 1, but the quota stores limit 1 under that \
+             version; pass a --limit-version above 1"
+        ),
         "{}",
         stderr(&stale)
     );

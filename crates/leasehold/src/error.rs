@@ -73,10 +73,13 @@ pub enum Misconfiguration {
     /// The limit version is above [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION).
     #[error("invalid limit version {0}: must be at most {max}", max = crate::MAX_LIMIT_VERSION)]
     InvalidLimitVersion(u64),
-    /// The backend stores another limit under the same limit version as this handle's: clients
-    /// of the quota disagree on its limit (say, half of a rolling deploy changed the limit
-    /// without raising [`QuotaBuilder::limit_version`](crate::QuotaBuilder::limit_version)).
-    /// Nothing was admitted. Raise the version of the new limit, or configure the stored one.
+    /// An acquire was refused: the backend stores another limit under the same limit version as
+    /// this handle's, so clients of the quota disagree on its limit (say, half of a rolling
+    /// deploy changed the limit without raising
+    /// [`QuotaBuilder::limit_version`](crate::QuotaBuilder::limit_version)). Nothing was
+    /// admitted. Raise the version of the new limit, or configure the stored one.
+    /// ([`Quota::set_limit`](crate::Quota::set_limit) refused for the same reason fails with
+    /// [`LimitVersionTaken`](Misconfiguration::LimitVersionTaken) instead.)
     #[error(
         "limit mismatch: this handle is configured with limit {configured}, the quota stores \
          limit {stored} under the same limit version {version}; raise the limit version to \
@@ -88,6 +91,21 @@ pub enum Misconfiguration {
         /// The limit the backend stores for the quota.
         stored: u32,
         /// The limit version both share.
+        version: u64,
+    },
+    /// [`Quota::set_limit`](crate::Quota::set_limit) was given a version that the backend
+    /// stores with another limit: nothing changed. Give a version above `version`, or `None`
+    /// (one above the stored version).
+    #[error(
+        "set_limit({asked}) at limit version {version}: the quota stores limit {stored} under \
+         that version; use a higher version to change the limit"
+    )]
+    LimitVersionTaken {
+        /// The limit passed to `set_limit`.
+        asked: u32,
+        /// The limit the backend stores for the quota.
+        stored: u32,
+        /// The version passed to `set_limit`, which the stored limit has too.
         version: u64,
     },
     /// The task id is empty, longer than [`MAX_TASK_ID_BYTES`](crate::MAX_TASK_ID_BYTES), or

@@ -271,8 +271,10 @@ impl Quota {
     /// one to change the limit again.
     ///
     /// Returns [`LimitUpdate::Stored`] with the limit now in force, or [`LimitUpdate::Kept`]
-    /// with the higher version that stays. The same version stored with another limit fails with
-    /// [`Misconfiguration::LimitMismatch`]. This handle's own configured limit is not changed.
+    /// with the higher version that stays (or the same limit at the same version, already
+    /// stored). The same version stored with another limit fails with
+    /// [`Misconfiguration::LimitVersionTaken`]. This handle's own configured limit is not
+    /// changed.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -299,7 +301,12 @@ impl Quota {
             .set_limit(&self.shared.keys, limit, version)
             .await?;
         match update {
-            LimitUpdate::Mismatch(stored) => Err(Misconfiguration::limit_mismatch(limit, stored)),
+            LimitUpdate::Mismatch(stored) => Err(Misconfiguration::LimitVersionTaken {
+                asked: limit,
+                stored: stored.limit,
+                version: stored.version,
+            }
+            .into()),
             done => Ok(done),
         }
     }

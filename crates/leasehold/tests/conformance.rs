@@ -50,6 +50,7 @@ conformance!(
     acquires_made_together_with_free_slots_go_at_once,
     lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it,
     the_operator_sets_the_limit_for_every_client_without_a_deploy,
+    set_limit_at_a_version_taken_by_another_limit_names_the_limit_asked,
     waiters_in_line_all_hear_a_limit_mismatch_at_once,
     a_higher_limit_version_applies_to_every_client,
     the_same_version_with_another_limit_is_a_typed_error_and_takes_no_slot,
@@ -1140,8 +1141,8 @@ async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixtu
     assert!(
         matches!(
             err,
-            Error::Misconfigured(Misconfiguration::LimitMismatch {
-                configured: 3,
+            Error::Misconfigured(Misconfiguration::LimitVersionTaken {
+                asked: 3,
                 stored: 2,
                 version: 1
             })
@@ -1171,8 +1172,8 @@ async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixtu
             .set_limit(2, Some(top))
             .await
             .map_err(|e| e.to_string()),
-        Err(Error::Misconfigured(Misconfiguration::LimitMismatch {
-            configured: 2,
+        Err(Error::Misconfigured(Misconfiguration::LimitVersionTaken {
+            asked: 2,
             stored: 4,
             version: top
         })
@@ -1191,6 +1192,37 @@ async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixtu
     assert!(is_full(&workers.try_acquire("another").await));
     let status = workers.status().await.unwrap();
     assert_eq!((status.effective_limit(), status.holders.len()), (4, 4));
+}
+
+/// `set_limit(7, Some(0))` against 4 stored at version 0: the refusal names 7 as the limit asked
+/// of set_limit, not as the handle's configured limit (4 here).
+async fn set_limit_at_a_version_taken_by_another_limit_names_the_limit_asked(fx: Fixture) {
+    let quota = fx.quota(4, TTL);
+    let _lease = quota.try_acquire("a").await.unwrap(); // stores 4 at version 0
+    let err = quota.set_limit(7, Some(0)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Misconfigured(Misconfiguration::LimitVersionTaken {
+                asked: 7,
+                stored: 4,
+                version: 0
+            })
+        ),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("set_limit(7) at limit version 0")
+            && text.contains("stores limit 4 under that version"),
+        "{text}"
+    );
+    assert!(!text.contains("configured with limit 7"), "{text}");
+    assert_eq!(
+        quota.status().await.unwrap().stored_limit,
+        Some(versioned(4, 0)),
+        "nothing changed"
+    );
 }
 
 async fn lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it(fx: Fixture) {

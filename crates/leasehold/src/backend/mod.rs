@@ -90,6 +90,8 @@ pub enum LimitUpdate {
     /// A higher version is stored and stays: the limit in force.
     Kept(VersionedLimit),
     /// The same version is stored with another limit: nothing changed.
+    /// [`Quota::set_limit`](crate::Quota::set_limit) reports it as
+    /// [`Misconfiguration::LimitVersionTaken`](crate::Misconfiguration::LimitVersionTaken).
     Mismatch(VersionedLimit),
 }
 
