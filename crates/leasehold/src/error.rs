@@ -108,6 +108,28 @@ pub enum Misconfiguration {
         /// The version passed to `set_limit`, which the stored limit has too.
         version: u64,
     },
+    /// [`Quota::set_limit`](crate::Quota::set_limit) was asked for the next version (`None`),
+    /// but the stored version is already the largest,
+    /// [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION): no version is left above it, and
+    /// nothing changed. The stored limit can no longer be replaced, by `set_limit` or by any
+    /// client's acquire, until an operator deletes the quota's limit key in Redis (`key`,
+    /// docs/PROTOCOL.md §3): the next acquire, or `set_limit`, then stores its own limit and
+    /// version again.
+    #[error(
+        "set_limit({asked}) with the next limit version: the quota stores limit {stored} at the \
+         largest limit version, {max}, and no limit version is left above it; nothing changed. \
+         To change the limit, delete the quota's limit key {key:?} in Redis: the next acquire or \
+         set_limit stores a limit again",
+        max = crate::MAX_LIMIT_VERSION
+    )]
+    LimitVersionsExhausted {
+        /// The limit passed to `set_limit`.
+        asked: u32,
+        /// The limit the backend stores, at the largest version.
+        stored: u32,
+        /// The quota's limit key in Redis (docs/PROTOCOL.md §3).
+        key: String,
+    },
     /// The task id is empty, longer than [`MAX_TASK_ID_BYTES`](crate::MAX_TASK_ID_BYTES), or
     /// contains control characters.
     #[error("invalid task id: {0}")]

@@ -14,6 +14,7 @@ use crate::config::{QuotaBuilder, QuotaConfig};
 use crate::error::{Error, FullCause, Misconfiguration, Result};
 use crate::keys::{
     validate_cancel_reason, validate_limit, validate_limit_version, validate_task_id, QuotaKeys,
+    MAX_LIMIT_VERSION,
 };
 use crate::lease::Lease;
 use crate::waiters::WaitQueue;
@@ -276,6 +277,13 @@ impl Quota {
     /// [`Misconfiguration::LimitVersionTaken`]. This handle's own configured limit is not
     /// changed.
     ///
+    /// Versions end at [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION): once a limit is stored
+    /// there, `None` has no version to take and fails with
+    /// [`Misconfiguration::LimitVersionsExhausted`] (nothing changed), and neither `set_limit` nor
+    /// any client's acquire can replace that limit until an operator deletes the quota's limit
+    /// key in Redis (docs/PROTOCOL.md §3). So leave the versions to `None`, or keep explicit ones
+    /// small.
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> leasehold::Result<()> {
@@ -307,6 +315,19 @@ impl Quota {
                 version: stored.version,
             }
             .into()),
+            // Asked for the version above the stored one, which is the last: a backend keeps the
+            // stored limit (set_limit.lua answers `kept`), which would read as a higher version
+            // stored by someone else.
+            LimitUpdate::Kept(stored)
+                if version.is_none() && stored.version >= MAX_LIMIT_VERSION =>
+            {
+                Err(Misconfiguration::LimitVersionsExhausted {
+                    asked: limit,
+                    stored: stored.limit,
+                    key: self.shared.keys.limit.clone(),
+                }
+                .into())
+            }
             done => Ok(done),
         }
     }
