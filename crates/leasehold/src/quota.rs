@@ -334,24 +334,37 @@ impl Quota {
 
     /// Waits until the work left in the background for this quota in this process (through
     /// this handle or any other handle of the same quota on the same backend) has reached the
-    /// backend: the releases of dropped leases, and admission attempts still in flight, whose
-    /// late admission is released if nobody takes it (an `acquire_timeout` that gave up, an
-    /// `acquire` future dropped). Await it before the process exits: that work runs on
-    /// leasehold's own thread, which dies with the process, and a release never sent leaves its
-    /// slot taken for one ttl. Renewals in flight count too (one that still finds a lease
-    /// dropped meanwhile releases it again). Returns at once when nothing is under way; a call
-    /// is bounded by its timeout, a renewal by its leases' local deadline. Attempts of callers
-    /// still waiting count too, so call it once the process has stopped acquiring (and, on a
-    /// link slower than the heartbeat, where renewals overlap, once its leases are released).
+    /// backend: the releases of leases dropped before the call, and admission attempts still in
+    /// flight, whose late admission is released if nobody takes it (an `acquire_timeout` that
+    /// gave up, an `acquire` future dropped). That work runs on leasehold's own thread, which
+    /// dies with the process, and a release never sent leaves its slot taken for one ttl.
+    ///
+    /// Before the process exits, **release or drop every lease first, then flush**. A lease
+    /// still alive when `flush` runs is not its business: dropped after it (a
+    /// `let _lease = quota.acquire(..)` in `main`, dropped when `main` returns; leases kept in a
+    /// `Vec` or a struct that outlives the call), its release only starts then, and dies with
+    /// the process. [`Lease::release`] sends the release at once, without a flush.
+    ///
+    /// Renewals in flight count too (one that still finds a lease dropped meanwhile releases it
+    /// again). Returns at once when nothing is under way; a call is bounded by its timeout, a
+    /// renewal by its leases' local deadline. Attempts of callers still waiting count too, so
+    /// call it once the process has stopped acquiring (and, on a link slower than the heartbeat,
+    /// where renewals overlap, once its leases are released).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> leasehold::Result<()> {
     /// let quota = leasehold::Quota::builder("reports").limit(4).build()?;
-    /// let lease = quota.try_acquire("report-17").await?;
-    /// drop(lease); // released in the background...
-    /// quota.flush().await; // ...and sent before `main` returns
-    /// # Ok(()) }
+    /// let leases = vec![
+    ///     quota.try_acquire("report-17").await?,
+    ///     quota.try_acquire("report-18").await?,
+    /// ];
+    /// // ... the work ...
+    /// drop(leases); // first: their releases start in the background...
+    /// quota.flush().await; // ...then wait until they reached the backend
+    /// assert!(quota.status().await?.holders.is_empty());
+    /// Ok(()) // `main` returns: nothing is left to send
+    /// # }
     /// ```
     pub async fn flush(&self) {
         self.shared.admissions.pending.finished().await;
