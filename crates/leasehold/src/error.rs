@@ -256,6 +256,14 @@ pub enum Error {
     Cancelled(String),
     /// The backend could not be reached or answered with a transient error (connection refused,
     /// timeout, LOADING, READONLY, ...). Retrying later may succeed.
+    ///
+    /// A call that timed out has an unknown outcome: the backend may still run it after the
+    /// client gave up (a Redis that stalled, then resumed). An acquire may thus have admitted the
+    /// task, and that slot then stays taken, unrenewed, for one ttl, unless the same task id is
+    /// acquired again, which returns that lease (an idempotent retry, never a second slot).
+    /// Retry an acquire with the same task id; to give the task up instead,
+    /// [`Quota::force_release`](crate::Quota::force_release) of an id that only this caller
+    /// uses frees such a slot at once.
     #[error("backend unavailable: {0}")]
     BackendUnavailable(String),
     /// The configuration or input is wrong; retrying will not help.

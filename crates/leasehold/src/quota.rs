@@ -168,6 +168,11 @@ impl Quota {
     /// One admission attempt: a lease, or [`Error::Full`] when no slot is free. If `task_id`
     /// already holds a lease, that lease is returned (an idempotent retry), never a second slot
     /// and never `Full`.
+    ///
+    /// [`Error::BackendUnavailable`] after a call timeout does not mean nothing was admitted:
+    /// the backend may admit the task after the client gave up (a stalled Redis that resumes),
+    /// and that slot then stays taken for one ttl. Retry with the same task id, which returns
+    /// that lease if there is one (see the error).
     pub async fn try_acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
@@ -194,7 +199,9 @@ impl Quota {
     /// see. It decides at once when the connection is refused or the short-circuit is open; a
     /// backend that stalls without refusing costs the first callers one call timeout
     /// ([`RedisOptions::call_timeout`](crate::RedisOptions::call_timeout)) each, until the
-    /// short-circuit opens.
+    /// short-circuit opens. An acquire that failed with such a call timeout may still have been
+    /// admitted by the backend: retry with the same task id, as for
+    /// [`try_acquire`](Self::try_acquire).
     /// It fails with [`Error::Cancelled`] if the task is cancelled while it waits.
     pub async fn acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
