@@ -14,7 +14,9 @@ use std::time::Duration;
 use clap::Parser;
 
 use leasehold::backend::LimitUpdate;
-use leasehold::{validate_cancel_reason, validate_task_id, Quota, RedisBackend};
+use leasehold::{
+    validate_cancel_reason, validate_task_id, Error, Misconfiguration, Quota, RedisBackend,
+};
 
 use cli::{Cli, Command};
 use exit::Failure;
@@ -149,7 +151,40 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
         Command::Demo(_) => unreachable!("dispatched above"),
         Command::Limit(args) => {
             let limit = quota.limit();
-            match quota.set_limit(limit, args.limit_version).await? {
+            let key = leasehold::QuotaKeys::new(quota.name())?.limit;
+            // The library's refusals speak of `set_limit`; here the limit and version came from
+            // the command line.
+            let update = match quota.set_limit(limit, args.limit_version).await {
+                Err(Error::Misconfigured(Misconfiguration::LimitVersionTaken {
+                    asked,
+                    stored,
+                    version,
+                })) => {
+                    return Err(Failure::new(
+                        exit::CONFIG,
+                        format!(
+                            "limit mismatch: limit {asked} asked at version {version}, but the \
+                             quota stores limit {stored} under that version; {}",
+                            higher_version(version, &key)
+                        ),
+                    ))
+                }
+                Err(Error::Misconfigured(Misconfiguration::LimitVersionsExhausted {
+                    stored,
+                    ..
+                })) => {
+                    return Err(Failure::new(
+                        exit::CONFIG,
+                        format!(
+                            "not changed: limit {stored} is stored at version {}; {}",
+                            leasehold::MAX_LIMIT_VERSION,
+                            higher_version(leasehold::MAX_LIMIT_VERSION, &key)
+                        ),
+                    ))
+                }
+                other => other?,
+            };
+            match update {
                 LimitUpdate::Stored(now) => {
                     output::tell(&format!(
                         "limit {} (version {}) stored; runs admit against it from their next \
@@ -172,9 +207,10 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
                 LimitUpdate::Kept(stored) | LimitUpdate::Mismatch(stored) => Err(Failure::new(
                     exit::CONFIG,
                     format!(
-                        "not changed: limit {} is stored at version {}; pass a higher \
-                         --limit-version",
-                        stored.limit, stored.version
+                        "not changed: limit {} is stored at version {}; {}",
+                        stored.limit,
+                        stored.version,
+                        higher_version(stored.version, &key)
                     ),
                 )),
             }
@@ -189,4 +225,16 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
             }
         }
     }
+}
+
+/// What changes a limit stored at `version`: a higher `--limit-version`, or, at the last version,
+/// deleting the quota's limit key `key` (docs/PROTOCOL.md §3).
+fn higher_version(version: u64, key: &str) -> String {
+    if version < leasehold::MAX_LIMIT_VERSION {
+        return format!("pass a --limit-version above {version} to change the limit");
+    }
+    format!(
+        "no version is above it: to change the limit, delete the quota's limit key {key:?} in \
+         Redis; the next run or `leasehold limit` then stores one again"
+    )
 }

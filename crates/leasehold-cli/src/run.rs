@@ -106,25 +106,29 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
         // Already reaped: it exited before we looked.
         None => child.wait().await.map(Outcome::Exited).map_err(wait_error),
     };
-    match outcome {
+    let redis_answers = match outcome {
         // Release whatever happened: the slot is ours until the backend says otherwise.
-        Ok(Outcome::Exited(_)) | Err(_) => release(&lease).await,
+        Ok(Outcome::Exited(_)) | Err(_) => {
+            release(&lease).await;
+            true
+        }
         // Only in case the backend still has it (a token-guarded release cannot touch a
         // successor). Its failure is no news: the lease is already gone for us, and the error
         // line that matters is the loss.
-        Ok(Outcome::Lost(_) | Outcome::StoppedTooLong) => {
-            let _ = lease.release().await;
-        }
-    }
+        Ok(Outcome::Lost(_) | Outcome::StoppedTooLong) => release_lost(&lease).await,
+    };
     let mut outcome = outcome?;
     // A cancel during a long stop (or a pause) reaches us only after the local deadline ended
     // the lease: the marker says whether the task was cancelled too, and a cancelled task must
-    // not look like one worth running again (exit 79).
-    if matches!(
-        outcome,
-        Outcome::StoppedTooLong
-            | Outcome::Lost(LostReason::LocalDeadline | LostReason::RenewalRefused(_))
-    ) {
+    // not look like one worth running again (exit 79). Not when Redis just left the release
+    // unanswered: it would not answer this look either, and the lease was lost to it.
+    if redis_answers
+        && matches!(
+            outcome,
+            Outcome::StoppedTooLong
+                | Outcome::Lost(LostReason::LocalDeadline | LostReason::RenewalRefused(_))
+        )
+    {
         if let Some(reason) = cancelled_meanwhile(&quota, lease.task_id()).await {
             outcome = Outcome::Lost(LostReason::Cancelled(reason));
         }
@@ -171,6 +175,23 @@ async fn release(lease: &Lease) {
         eprintln!("leasehold: release failed ({e}); the slot frees when the lease expires");
     }
 }
+
+/// The release of a lease already lost: best effort, since the lease expires in Redis anyway
+/// (the safety margin after the local deadline, when Redis was unreachable), and bounded by
+/// [`RELEASE_AFTER_LOSS`], since Redis may be why the lease was lost and the process exits next.
+/// Returns whether Redis answered it (a refusal is an answer); `false` when it was unreachable,
+/// or did not answer in time.
+async fn release_lost(lease: &Lease) -> bool {
+    !matches!(
+        tokio::time::timeout(RELEASE_AFTER_LOSS, lease.release()).await,
+        Err(_) | Ok(Err(Error::BackendUnavailable(_)))
+    )
+}
+
+/// How long `leasehold run` waits for the release of a lost lease (docs/CLI.md): a round trip to
+/// a Redis that answers, many times over; a Redis that stalls would otherwise keep the exit
+/// waiting for a whole call timeout.
+const RELEASE_AFTER_LOSS: Duration = Duration::from_millis(250);
 
 /// The wait ended without a lease, but an admission attempt may still be on its way to Redis.
 /// The library releases a late admission nobody takes, in the background: wait until it has

@@ -714,7 +714,10 @@ fn limit_changes_the_stored_limit_for_every_run_and_refuses_a_version_not_above_
     let stale = run_cli(&server.url(), "ops", ["limit", "5", "--limit-version", "1"]);
     assert_eq!(stale.status.code(), Some(78), "{}", stderr(&stale));
     assert!(
-        stderr(&stale).contains("limit mismatch"),
+        stderr(&stale).contains(
+            "limit mismatch: limit 5 asked at version 1, but the quota stores limit 1 under that \
+             version; pass a --limit-version above 1"
+        ),
         "{}",
         stderr(&stale)
     );
@@ -743,4 +746,46 @@ fn limit_changes_the_stored_limit_for_every_run_and_refuses_a_version_not_above_
     // SAFETY: kill(2) on our child's pid.
     unsafe { libc::kill(holder.id() as i32, libc::SIGTERM) };
     wait_exit(&mut holder, Duration::from_secs(10));
+}
+
+/// Versions end at 2^53 − 1: `leasehold limit N` (the next version) then has none to take. It
+/// exits 78 and says how to get out (delete the limit key), not "pass a higher --limit-version",
+/// which no version can be.
+#[test]
+fn limit_at_the_last_version_says_that_only_deleting_the_limit_key_changes_it() {
+    let server = RedisServer::start();
+    let top = leasehold::MAX_LIMIT_VERSION.to_string();
+    let set = run_cli(
+        &server.url(),
+        "last",
+        ["limit", "9", "--limit-version", &top],
+    );
+    assert_eq!(set.status.code(), Some(0), "{}", stderr(&set));
+    let key = "leasehold:{last}:limit";
+    for args in [
+        vec!["limit", "10"],
+        vec!["limit", "10", "--limit-version", "5"],
+    ] {
+        let refused = run_cli(&server.url(), "last", &args);
+        let err = stderr(&refused);
+        assert_eq!(refused.status.code(), Some(78), "{args:?}: {err}");
+        assert!(
+            err.contains(&format!("not changed: limit 9 is stored at version {top}"))
+                && err.contains("no version is above it")
+                && err.contains(key),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("above 9007199254740991"), "{args:?}: {err}");
+    }
+    let json = run_cli(&server.url(), "last", ["status", "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(doc["limit"], 9, "nothing changed");
+    // The way out it gives.
+    server.command(&["DEL", key]);
+    let set = run_cli(&server.url(), "last", ["limit", "10"]);
+    assert!(
+        String::from_utf8_lossy(&set.stdout).contains("limit 10 (version 1) stored"),
+        "{}",
+        stderr(&set)
+    );
 }

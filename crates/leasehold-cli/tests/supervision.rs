@@ -275,6 +275,45 @@ fn a_lease_lost_with_redis_gone_ends_the_command_with_one_error_line() {
     assert!(err.contains("local deadline"), "{err}");
 }
 
+/// A lease lost while Redis stalls (paused: it keeps the connection but answers nothing): the
+/// command is stopped at the local deadline, and `leasehold run` exits soon after, not after a
+/// call timeout spent on the best-effort release and another on a look at the cancel marker,
+/// neither of which Redis can answer (about 2 s in all before).
+#[test]
+fn a_lease_lost_while_redis_is_paused_exits_soon_after_the_loss() {
+    let server = RedisServer::start();
+    let dir = TempDir::new("leasehold-supervision-paused");
+    let pidfile = dir.join("pid");
+    let script = format!("echo $$ > {}; exec sleep 30", pidfile.display());
+    let mut run = leasehold(&server.url(), "paused-loss")
+        .args(["run", "--limit", "1", "--ttl", "2s", "--task-id", "p"])
+        .args(["--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn_reaped();
+    wait_held(&server, "paused-loss", "p");
+    let command = pid_from(&pidfile);
+    server.pause();
+    let paused = Instant::now();
+    // The local deadline passes within the ttl: the command gets SIGTERM and ends at once.
+    wait_state(command, "gone", |s| s.is_none());
+    let lost = Instant::now();
+    let code = wait_exit(&mut run, Duration::from_secs(10));
+    let exited = lost.elapsed();
+    server.resume();
+    let err = take_stderr(&mut run);
+    println!(
+        "lost {:?} after the pause, exited {exited:?} after the loss",
+        lost - paused
+    );
+    assert_eq!(code, 79, "{err}");
+    assert!(err.contains("local deadline"), "{err}");
+    assert!(
+        exited < Duration::from_millis(1200),
+        "exited {exited:?} after the loss"
+    );
+}
+
 /// `(process group, terminal's foreground group)` as a command showed them from
 /// `/proc/self/stat` (fields 5 and 8).
 fn groups_seen(shown: &Shown) -> (i64, i64) {

@@ -73,10 +73,13 @@ pub enum Misconfiguration {
     /// The limit version is above [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION).
     #[error("invalid limit version {0}: must be at most {max}", max = crate::MAX_LIMIT_VERSION)]
     InvalidLimitVersion(u64),
-    /// The backend stores another limit under the same limit version as this handle's: clients
-    /// of the quota disagree on its limit (say, half of a rolling deploy changed the limit
-    /// without raising [`QuotaBuilder::limit_version`](crate::QuotaBuilder::limit_version)).
-    /// Nothing was admitted. Raise the version of the new limit, or configure the stored one.
+    /// An acquire was refused: the backend stores another limit under the same limit version as
+    /// this handle's, so clients of the quota disagree on its limit (say, half of a rolling
+    /// deploy changed the limit without raising
+    /// [`QuotaBuilder::limit_version`](crate::QuotaBuilder::limit_version)). Nothing was
+    /// admitted. Raise the version of the new limit, or configure the stored one.
+    /// ([`Quota::set_limit`](crate::Quota::set_limit) refused for the same reason fails with
+    /// [`LimitVersionTaken`](Misconfiguration::LimitVersionTaken) instead.)
     #[error(
         "limit mismatch: this handle is configured with limit {configured}, the quota stores \
          limit {stored} under the same limit version {version}; raise the limit version to \
@@ -89,6 +92,43 @@ pub enum Misconfiguration {
         stored: u32,
         /// The limit version both share.
         version: u64,
+    },
+    /// [`Quota::set_limit`](crate::Quota::set_limit) was given a version that the backend
+    /// stores with another limit: nothing changed. Give a version above `version`, or `None`
+    /// (one above the stored version).
+    #[error(
+        "set_limit({asked}) at limit version {version}: the quota stores limit {stored} under \
+         that version; use a higher version to change the limit"
+    )]
+    LimitVersionTaken {
+        /// The limit passed to `set_limit`.
+        asked: u32,
+        /// The limit the backend stores for the quota.
+        stored: u32,
+        /// The version passed to `set_limit`, which the stored limit has too.
+        version: u64,
+    },
+    /// [`Quota::set_limit`](crate::Quota::set_limit) was asked for the next version (`None`),
+    /// but the stored version is already the largest,
+    /// [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION): no version is left above it, and
+    /// nothing changed. The stored limit can no longer be replaced, by `set_limit` or by any
+    /// client's acquire, until an operator deletes the quota's limit key in Redis (`key`,
+    /// docs/PROTOCOL.md §3): the next acquire, or `set_limit`, then stores its own limit and
+    /// version again.
+    #[error(
+        "set_limit({asked}) with the next limit version: the quota stores limit {stored} at the \
+         largest limit version, {max}, and no limit version is left above it; nothing changed. \
+         To change the limit, delete the quota's limit key {key:?} in Redis: the next acquire or \
+         set_limit stores a limit again",
+        max = crate::MAX_LIMIT_VERSION
+    )]
+    LimitVersionsExhausted {
+        /// The limit passed to `set_limit`.
+        asked: u32,
+        /// The limit the backend stores, at the largest version.
+        stored: u32,
+        /// The quota's limit key in Redis (docs/PROTOCOL.md §3).
+        key: String,
     },
     /// The task id is empty, longer than [`MAX_TASK_ID_BYTES`](crate::MAX_TASK_ID_BYTES), or
     /// contains control characters.
@@ -216,6 +256,14 @@ pub enum Error {
     Cancelled(String),
     /// The backend could not be reached or answered with a transient error (connection refused,
     /// timeout, LOADING, READONLY, ...). Retrying later may succeed.
+    ///
+    /// A call that timed out has an unknown outcome: the backend may still run it after the
+    /// client gave up (a Redis that stalled, then resumed). An acquire may thus have admitted the
+    /// task, and that slot then stays taken, unrenewed, for one ttl, unless the same task id is
+    /// acquired again, which returns that lease (an idempotent retry, never a second slot).
+    /// Retry an acquire with the same task id; to give the task up instead,
+    /// [`Quota::force_release`](crate::Quota::force_release) of an id that only this caller
+    /// uses frees such a slot at once.
     #[error("backend unavailable: {0}")]
     BackendUnavailable(String),
     /// The configuration or input is wrong; retrying will not help.

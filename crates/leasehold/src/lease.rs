@@ -19,8 +19,11 @@ use crate::runtime;
 /// it releases the slot in the background, shortly after (an acquire right after the drop may
 /// still find the slot taken); [`release`](Lease::release) does it now and reports errors.
 /// A background release is lost if the process exits before it is sent (returning from `main`
-/// ends it), and the slot then stays taken for one ttl: `release().await`, or await
-/// [`Quota::flush`](crate::Quota::flush), before exiting.
+/// ends it), and the slot then stays taken for one ttl. Before exiting, `release().await` every
+/// lease, or drop every lease and then await [`Quota::flush`](crate::Quota::flush), in that
+/// order: a lease still alive when `flush` runs (a `let _lease = ...` in `main`, leases in a
+/// `Vec`) is dropped only after it, at the end of its scope, and its release dies with the
+/// process.
 /// Clones of a `Lease` (and handles returned by an idempotent re-acquire of the same task id)
 /// share one lease: it is released when the last of them is dropped, or at the first explicit
 /// `release`.

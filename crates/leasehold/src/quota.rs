@@ -14,6 +14,7 @@ use crate::config::{QuotaBuilder, QuotaConfig};
 use crate::error::{Error, FullCause, Misconfiguration, Result};
 use crate::keys::{
     validate_cancel_reason, validate_limit, validate_limit_version, validate_task_id, QuotaKeys,
+    MAX_LIMIT_VERSION,
 };
 use crate::lease::Lease;
 use crate::waiters::WaitQueue;
@@ -167,6 +168,11 @@ impl Quota {
     /// One admission attempt: a lease, or [`Error::Full`] when no slot is free. If `task_id`
     /// already holds a lease, that lease is returned (an idempotent retry), never a second slot
     /// and never `Full`.
+    ///
+    /// [`Error::BackendUnavailable`] after a call timeout does not mean nothing was admitted:
+    /// the backend may admit the task after the client gave up (a stalled Redis that resumes),
+    /// and that slot then stays taken for one ttl. Retry with the same task id, which returns
+    /// that lease if there is one (see the error).
     pub async fn try_acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
@@ -193,7 +199,9 @@ impl Quota {
     /// see. It decides at once when the connection is refused or the short-circuit is open; a
     /// backend that stalls without refusing costs the first callers one call timeout
     /// ([`RedisOptions::call_timeout`](crate::RedisOptions::call_timeout)) each, until the
-    /// short-circuit opens.
+    /// short-circuit opens. An acquire that failed with such a call timeout may still have been
+    /// admitted by the backend: retry with the same task id, as for
+    /// [`try_acquire`](Self::try_acquire).
     /// It fails with [`Error::Cancelled`] if the task is cancelled while it waits.
     pub async fn acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
@@ -271,8 +279,17 @@ impl Quota {
     /// one to change the limit again.
     ///
     /// Returns [`LimitUpdate::Stored`] with the limit now in force, or [`LimitUpdate::Kept`]
-    /// with the higher version that stays. The same version stored with another limit fails with
-    /// [`Misconfiguration::LimitMismatch`]. This handle's own configured limit is not changed.
+    /// with the higher version that stays (or the same limit at the same version, already
+    /// stored). The same version stored with another limit fails with
+    /// [`Misconfiguration::LimitVersionTaken`]. This handle's own configured limit is not
+    /// changed.
+    ///
+    /// Versions end at [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION): once a limit is stored
+    /// there, `None` has no version to take and fails with
+    /// [`Misconfiguration::LimitVersionsExhausted`] (nothing changed), and neither `set_limit` nor
+    /// any client's acquire can replace that limit until an operator deletes the quota's limit
+    /// key in Redis (docs/PROTOCOL.md §3). So leave the versions to `None`, or keep explicit ones
+    /// small.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -299,31 +316,62 @@ impl Quota {
             .set_limit(&self.shared.keys, limit, version)
             .await?;
         match update {
-            LimitUpdate::Mismatch(stored) => Err(Misconfiguration::limit_mismatch(limit, stored)),
+            LimitUpdate::Mismatch(stored) => Err(Misconfiguration::LimitVersionTaken {
+                asked: limit,
+                stored: stored.limit,
+                version: stored.version,
+            }
+            .into()),
+            // Asked for the version above the stored one, which is the last: a backend keeps the
+            // stored limit (set_limit.lua answers `kept`), which would read as a higher version
+            // stored by someone else.
+            LimitUpdate::Kept(stored)
+                if version.is_none() && stored.version >= MAX_LIMIT_VERSION =>
+            {
+                Err(Misconfiguration::LimitVersionsExhausted {
+                    asked: limit,
+                    stored: stored.limit,
+                    key: self.shared.keys.limit.clone(),
+                }
+                .into())
+            }
             done => Ok(done),
         }
     }
 
     /// Waits until the work left in the background for this quota in this process (through
     /// this handle or any other handle of the same quota on the same backend) has reached the
-    /// backend: the releases of dropped leases, and admission attempts still in flight, whose
-    /// late admission is released if nobody takes it (an `acquire_timeout` that gave up, an
-    /// `acquire` future dropped). Await it before the process exits: that work runs on
-    /// leasehold's own thread, which dies with the process, and a release never sent leaves its
-    /// slot taken for one ttl. Renewals in flight count too (one that still finds a lease
-    /// dropped meanwhile releases it again). Returns at once when nothing is under way; a call
-    /// is bounded by its timeout, a renewal by its leases' local deadline. Attempts of callers
-    /// still waiting count too, so call it once the process has stopped acquiring (and, on a
-    /// link slower than the heartbeat, where renewals overlap, once its leases are released).
+    /// backend: the releases of leases dropped before the call, and admission attempts still in
+    /// flight, whose late admission is released if nobody takes it (an `acquire_timeout` that
+    /// gave up, an `acquire` future dropped). That work runs on leasehold's own thread, which
+    /// dies with the process, and a release never sent leaves its slot taken for one ttl.
+    ///
+    /// Before the process exits, **release or drop every lease first, then flush**. A lease
+    /// still alive when `flush` runs is not its business: dropped after it (a
+    /// `let _lease = quota.acquire(..)` in `main`, dropped when `main` returns; leases kept in a
+    /// `Vec` or a struct that outlives the call), its release only starts then, and dies with
+    /// the process. [`Lease::release`] sends the release at once, without a flush.
+    ///
+    /// Renewals in flight count too (one that still finds a lease dropped meanwhile releases it
+    /// again). Returns at once when nothing is under way; a call is bounded by its timeout, a
+    /// renewal by its leases' local deadline. Attempts of callers still waiting count too, so
+    /// call it once the process has stopped acquiring (and, on a link slower than the heartbeat,
+    /// where renewals overlap, once its leases are released).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> leasehold::Result<()> {
     /// let quota = leasehold::Quota::builder("reports").limit(4).build()?;
-    /// let lease = quota.try_acquire("report-17").await?;
-    /// drop(lease); // released in the background...
-    /// quota.flush().await; // ...and sent before `main` returns
-    /// # Ok(()) }
+    /// let leases = vec![
+    ///     quota.try_acquire("report-17").await?,
+    ///     quota.try_acquire("report-18").await?,
+    /// ];
+    /// // ... the work ...
+    /// drop(leases); // first: their releases start in the background...
+    /// quota.flush().await; // ...then wait until they reached the backend
+    /// assert!(quota.status().await?.holders.is_empty());
+    /// Ok(()) // `main` returns: nothing is left to send
+    /// # }
     /// ```
     pub async fn flush(&self) {
         self.shared.admissions.pending.finished().await;

@@ -50,6 +50,8 @@ conformance!(
     acquires_made_together_with_free_slots_go_at_once,
     lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it,
     the_operator_sets_the_limit_for_every_client_without_a_deploy,
+    set_limit_at_a_version_taken_by_another_limit_names_the_limit_asked,
+    set_limit_with_the_next_version_fails_once_the_versions_are_used_up,
     waiters_in_line_all_hear_a_limit_mismatch_at_once,
     a_higher_limit_version_applies_to_every_client,
     the_same_version_with_another_limit_is_a_typed_error_and_takes_no_slot,
@@ -1140,8 +1142,8 @@ async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixtu
     assert!(
         matches!(
             err,
-            Error::Misconfigured(Misconfiguration::LimitMismatch {
-                configured: 3,
+            Error::Misconfigured(Misconfiguration::LimitVersionTaken {
+                asked: 3,
                 stored: 2,
                 version: 1
             })
@@ -1156,23 +1158,30 @@ async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixtu
         operator.set_limit(0, None).await,
         Err(Error::Misconfigured(Misconfiguration::InvalidLimit(_)))
     ));
-    // No version above the largest: an automatic one leaves the limit as it is.
+    // No version above the largest: an automatic one is refused and leaves the limit as it is
+    // (set_limit_with_the_next_version_fails_once_the_versions_are_used_up).
     let top = leasehold::MAX_LIMIT_VERSION;
     assert_eq!(
         operator.set_limit(4, Some(top)).await.unwrap(),
         LimitUpdate::Stored(versioned(4, top))
     );
-    assert_eq!(
-        operator.set_limit(5, None).await.unwrap(),
-        LimitUpdate::Kept(versioned(4, top))
-    );
+    assert!(matches!(
+        operator.set_limit(5, None).await,
+        Err(Error::Misconfigured(
+            Misconfiguration::LimitVersionsExhausted {
+                asked: 5,
+                stored: 4,
+                ..
+            }
+        ))
+    ));
     assert_eq!(
         operator
             .set_limit(2, Some(top))
             .await
             .map_err(|e| e.to_string()),
-        Err(Error::Misconfigured(Misconfiguration::LimitMismatch {
-            configured: 2,
+        Err(Error::Misconfigured(Misconfiguration::LimitVersionTaken {
+            asked: 2,
             stored: 4,
             version: top
         })
@@ -1191,6 +1200,85 @@ async fn the_operator_sets_the_limit_for_every_client_without_a_deploy(fx: Fixtu
     assert!(is_full(&workers.try_acquire("another").await));
     let status = workers.status().await.unwrap();
     assert_eq!((status.effective_limit(), status.holders.len()), (4, 4));
+}
+
+/// `set_limit(7, Some(0))` against 4 stored at version 0: the refusal names 7 as the limit asked
+/// of set_limit, not as the handle's configured limit (4 here).
+async fn set_limit_at_a_version_taken_by_another_limit_names_the_limit_asked(fx: Fixture) {
+    let quota = fx.quota(4, TTL);
+    let _lease = quota.try_acquire("a").await.unwrap(); // stores 4 at version 0
+    let err = quota.set_limit(7, Some(0)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Misconfigured(Misconfiguration::LimitVersionTaken {
+                asked: 7,
+                stored: 4,
+                version: 0
+            })
+        ),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("set_limit(7) at limit version 0")
+            && text.contains("stores limit 4 under that version"),
+        "{text}"
+    );
+    assert!(!text.contains("configured with limit 7"), "{text}");
+    assert_eq!(
+        quota.status().await.unwrap().stored_limit,
+        Some(versioned(4, 0)),
+        "nothing changed"
+    );
+}
+
+/// Versions end at MAX_LIMIT_VERSION: `None` (one above the stored version) then has no version
+/// to take. It is an error that says so and how to recover, not `Kept`, which would read as a
+/// higher version stored by someone else.
+async fn set_limit_with_the_next_version_fails_once_the_versions_are_used_up(fx: Fixture) {
+    let top = leasehold::MAX_LIMIT_VERSION;
+    let operator = fx.quota(1, TTL);
+    assert_eq!(
+        operator.set_limit(9, Some(top)).await.unwrap(),
+        LimitUpdate::Stored(versioned(9, top))
+    );
+    for limit in [10, 9] {
+        let result = operator.set_limit(limit, None).await;
+        let text = match &result {
+            Err(Error::Misconfigured(
+                m @ Misconfiguration::LimitVersionsExhausted {
+                    asked, stored: 9, ..
+                },
+            )) if *asked == limit => m.to_string(),
+            other => panic!("set_limit({limit}, None) at the last version: {other:?}"),
+        };
+        assert!(
+            text.contains("no limit version is left") && text.contains(&fx.keys().limit),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        operator.status().await.unwrap().stored_limit,
+        Some(versioned(9, top)),
+        "nothing changed"
+    );
+    // An explicit version not above the stored one is still `Kept`, as at any version.
+    assert_eq!(
+        operator.set_limit(10, Some(5)).await.unwrap(),
+        LimitUpdate::Kept(versioned(9, top))
+    );
+    // The way out the error gives: the operator deletes the limit key.
+    match &fx.server {
+        Some(server) => {
+            server.command(&["DEL", &fx.keys().limit]);
+        }
+        None => fx.wipe(),
+    }
+    assert_eq!(
+        operator.set_limit(10, None).await.unwrap(),
+        LimitUpdate::Stored(versioned(10, 1))
+    );
 }
 
 async fn lowering_the_limit_evicts_nobody_and_admits_nobody_until_below_it(fx: Fixture) {

@@ -320,7 +320,8 @@ impl Backend for MemoryBackend {
         Ok(self.with_quota(&keys.name, |q, _now| {
             let version = match (version, q.limit) {
                 (Some(version), _) => version,
-                // No version above the largest: the stored one stays, as in the script.
+                // No version above the largest: the stored one stays, as in the script
+                // (`Quota::set_limit` reports it as LimitVersionsExhausted).
                 (None, Some(stored)) if stored.version >= MAX_LIMIT_VERSION => {
                     return LimitUpdate::Kept(stored);
                 }

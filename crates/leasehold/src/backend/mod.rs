@@ -87,9 +87,13 @@ pub struct VersionedLimit {
 pub enum LimitUpdate {
     /// The limit and version given replaced the stored ones (or none was stored).
     Stored(VersionedLimit),
-    /// A higher version is stored and stays: the limit in force.
+    /// A higher version is stored and stays (or the same limit at the same version; or, asked
+    /// for the next version, the stored one is already the largest): the limit in force.
+    /// [`Quota::set_limit`](crate::Quota::set_limit) answers it only for an explicit version.
     Kept(VersionedLimit),
     /// The same version is stored with another limit: nothing changed.
+    /// [`Quota::set_limit`](crate::Quota::set_limit) reports it as
+    /// [`Misconfiguration::LimitVersionTaken`](crate::Misconfiguration::LimitVersionTaken).
     Mismatch(VersionedLimit),
 }
 
@@ -209,8 +213,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 
     /// The operator's change of the quota's stored limit: stores `limit` at `version` if that is
     /// higher than the stored version (or none is stored). `None` means one above the stored
-    /// version (1 when none is stored), chosen atomically. Admissions use the new limit from the
-    /// next acquire on; nobody is evicted.
+    /// version (1 when none is stored), chosen atomically; when the stored version is already
+    /// [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION), there is none above it: the stored limit
+    /// stays and the answer is [`LimitUpdate::Kept`] (as `set_limit.lua` answers), which
+    /// [`Quota::set_limit`](crate::Quota::set_limit) reports as
+    /// [`Misconfiguration::LimitVersionsExhausted`](crate::Misconfiguration::LimitVersionsExhausted).
+    /// Admissions use the new limit from the next acquire on; nobody is evicted.
     async fn set_limit(
         &self,
         keys: &QuotaKeys,
