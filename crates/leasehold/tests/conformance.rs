@@ -585,11 +585,20 @@ async fn waiters_are_served_in_arrival_order(fx: Fixture) {
         let quota = quota.clone();
         let order = order.clone();
         let tx = tx.clone();
+        let (started, has_started) = tokio::sync::oneshot::channel();
         waiters.push(tokio::spawn(async move {
+            // `acquire` joins the line in its first poll, which follows in this same poll of
+            // the task: a task spawned but not yet run (a loaded machine) must not let the
+            // next one join first.
+            let _ = started.send(());
             let lease = quota.acquire(&format!("w{i}")).await.unwrap();
             order.lock().unwrap().push(i);
             tx.send(lease).unwrap();
         }));
+        tokio::time::timeout(Duration::from_secs(5), has_started)
+            .await
+            .expect("the waiter's task ran")
+            .unwrap();
         if i == 0 {
             // The head tried at once and was refused: the line exists.
             assert!(
