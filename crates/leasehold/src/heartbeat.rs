@@ -1,11 +1,13 @@
 //! Renewal: one task per quota on the leasehold runtime renews every live lease of the quota in
-//! this process with one backend call per heartbeat interval, and fires `lost` at each lease's
-//! local deadline when renewals cannot get through. A lease whose acquire was sent before the
+//! this process with one backend call per heartbeat interval (plus quick retries, backing off,
+//! after a renewal that failed at once), and fires `lost` at each lease's local deadline when
+//! renewals cannot get through. A lease whose acquire was sent before the
 //! latest beat but adopted after it brings the next beat forward: a lease's first renewal goes
 //! out one heartbeat after its acquire was sent (at once if the reply took longer), as if the
 //! acquire had been a beat.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -26,6 +28,8 @@ pub(crate) struct Alarm {
     notify: Notify,
     /// The planned wake-up; `None` while the task is working out the next one.
     planned: Mutex<Option<Instant>>,
+    /// Renewals of the quota that failed at once in a row (the retry's back-off).
+    quick_failures: std::sync::atomic::AtomicU32,
 }
 
 impl Alarm {
@@ -41,7 +45,10 @@ impl Alarm {
     }
 }
 
-/// How soon a renewal that failed transiently is tried again (at most one heartbeat).
+/// How soon a renewal that failed at once is first tried again; each further quick failure in
+/// a row doubles it, up to a quarter heartbeat (so a lease outlives an outage that ends a
+/// quarter heartbeat before its local deadline, at no more than about five calls per beat).
+/// A failure that took longer waits for the next beat.
 const RENEWAL_RETRY: Duration = Duration::from_millis(250);
 
 pub(crate) fn start(shared: &Arc<Shared>) {
@@ -68,7 +75,11 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                 }
             }
             let any_due = leases.iter().any(|l| !l.is_lost() && now >= l.renew_due());
-            if now >= next_beat || any_due {
+            // A beat brought forward (a new lease due, a retry) reports its failures to
+            // nobody's short-circuit: the regular beats count as they always did, and a retry
+            // every quarter second must not open the circuit on a blip by itself.
+            let regular = now >= next_beat;
+            if regular || any_due {
                 next_beat = now + shared.config.heartbeat;
                 // Each call carries the epoch its leases were confirmed in: normally one for all,
                 // two or more only around a loss of the quota's state, when leases admitted
@@ -103,7 +114,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                         let work = shared.admissions.pending.start();
                         runtime::spawn(async move {
                             let _work = work;
-                            renew(&shared, &epoch, chunk, pairs).await;
+                            renew(&shared, &epoch, chunk, pairs, regular).await;
                         });
                     }
                 }
@@ -130,6 +141,7 @@ async fn renew(
     epoch: &str,
     leases: Vec<(Weak<LeaseInner>, Arc<ReleaseState>)>,
     pairs: Vec<(String, u64)>,
+    regular: bool,
 ) {
     let sent = Instant::now();
     // The call is bounded by the local deadline it would grant (sent + ttl − margin): a link
@@ -145,7 +157,9 @@ async fn renew(
             "no renewal reply within {bound:?}"
         ))),
     };
-    shared.record_backend_result(&reply, sent);
+    if regular || reply.is_ok() {
+        shared.record_backend_result(&reply, sent);
+    }
     let reply = match reply {
         Ok(reply) => reply,
         Err(e) => {
@@ -164,23 +178,38 @@ async fn renew(
                 tracing::error!(quota = %shared.keys.name, leases = leases.len(), error = %e,
                     "renewal refused; leases will be lost at their local deadlines unless this is fixed");
             }
-            // Tried again soon, not a heartbeat later: most failures come fast (a refused
-            // connection while Redis restarts, LOADING, READONLY during a failover), and a
-            // lease that waited a whole beat would survive an outage one heartbeat shorter
-            // than its ttl allows. A timed-out renewal ends at the local deadline anyway.
-            let retry_at = Instant::now() + RENEWAL_RETRY.min(shared.config.heartbeat);
+            // A failure that came at once (a refused connection while Redis restarts, LOADING,
+            // READONLY during a failover) is tried again soon, backing off, not a heartbeat
+            // later: a lease that waited a whole beat would survive an outage one heartbeat
+            // shorter than its ttl allows. One that took longer (a timeout: Redis slow or
+            // stalled) waits for the beat, adding no load to a struggling server.
+            let quick = refusal.is_none() && sent.elapsed() < RENEWAL_RETRY;
+            let retry_at = quick.then(|| {
+                let row = shared
+                    .alarm
+                    .quick_failures
+                    .fetch_add(1, Ordering::Relaxed)
+                    .min(16);
+                let delay = RENEWAL_RETRY.saturating_mul(1 << row);
+                Instant::now() + delay.min(shared.config.heartbeat / 4)
+            });
+            let mut any = false;
             for lease in leases.iter().filter_map(|(lease, _)| lease.upgrade()) {
-                lease.renewal_failed(sent, refusal.clone());
-                if refusal.is_none() {
-                    lease.renew_by(retry_at);
+                // Only where this was the latest outcome: a later call may have renewed it.
+                if lease.renewal_failed(sent, refusal.clone()) {
+                    if let Some(at) = retry_at {
+                        lease.renew_by(at);
+                        any = true;
+                    }
                 }
             }
-            if refusal.is_none() {
-                shared.alarm.renewal_due(retry_at);
+            if let (true, Some(at)) = (any, retry_at) {
+                shared.alarm.renewal_due(at);
             }
             return;
         }
     };
+    shared.alarm.quick_failures.store(0, Ordering::Relaxed);
     let mut released_but_renewed = Vec::new();
     for (((lease, release), pair), outcome) in leases.iter().zip(&pairs).zip(reply.outcomes) {
         if release.wants_release() {

@@ -91,12 +91,15 @@ struct Times {
 }
 
 impl Times {
-    /// Records the outcome of a renewal call sent at `sent`, unless a later call's is in.
-    fn outcome(&mut self, sent: Instant, refusal: Option<Misconfiguration>) {
-        if sent >= self.outcome_sent {
+    /// Records the outcome of a renewal call sent at `sent`, unless a later call's is in;
+    /// returns whether it did.
+    fn outcome(&mut self, sent: Instant, refusal: Option<Misconfiguration>) -> bool {
+        let latest = sent >= self.outcome_sent;
+        if latest {
             self.outcome_sent = sent;
             self.refusal = refusal;
         }
+        latest
     }
 }
 
@@ -231,9 +234,10 @@ impl LeaseInner {
     }
 
     /// A renewal call sent at `sent` failed: `refusal` is what the backend refused it for, or
-    /// `None` for a transient failure (an outage, a timeout).
-    pub(crate) fn renewal_failed(&self, sent: Instant, refusal: Option<Misconfiguration>) {
-        self.times().outcome(sent, refusal);
+    /// `None` for a transient failure (an outage, a timeout). Returns whether it is the latest
+    /// outcome (no later call's is in).
+    pub(crate) fn renewal_failed(&self, sent: Instant, refusal: Option<Misconfiguration>) -> bool {
+        self.times().outcome(sent, refusal)
     }
 
     /// Why the lease ends at its local deadline: the latest renewal's refusal, if it was

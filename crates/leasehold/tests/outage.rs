@@ -3,8 +3,10 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::counting::Counting;
 use common::{eventually, subscribers};
 use leasehold::{
     BackendDownPolicy, BreakerConfig, BreakerMode, Error, Lease, LostReason, Quota, RedisBackend,
@@ -215,6 +217,88 @@ async fn a_holder_keeps_its_lease_through_a_restart_that_spans_two_heartbeats() 
     assert!(lease.is_held(), "{:?}", lease.lost_reason());
 }
 
+/// The quick retry backs off: renewals refused at once are tried again 250 ms, 500 ms, ...
+/// after each other, up to a quarter heartbeat, not every 250 ms until the local deadline.
+#[tokio::test]
+async fn renewals_refused_at_once_are_retried_backing_off() {
+    let mut server = RedisServer::start();
+    let counting = Counting::new(Arc::new(
+        RedisBackend::connect(&server.url()).await.unwrap(),
+    ));
+    let ttl = Duration::from_secs(10); // heartbeat 3.33 s
+    let quota = Quota::builder("backoff")
+        .limit(1)
+        .ttl(ttl)
+        .shared_backend(counting.clone())
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("held").await.unwrap();
+    server.kill();
+    let before = counting.renewals();
+    // The beat at 3.33 s, then retries about 0.25 s, then 0.5 s and 0.83 s (a quarter
+    // heartbeat) after each failure, each call taking up to about 0.15 s (two connection
+    // attempts): 4 calls by 6 s. A retry every 250 ms would make about 7, no retry 1.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let calls = counting.renewals() - before;
+    println!("renew calls in the 6 s after the kill: {calls}");
+    assert!((3..=5).contains(&calls), "{calls}");
+    assert!(lease.is_held());
+}
+
+/// A connection whose handshake fails (the password was rotated and its reconnection refused)
+/// is rebuilt, spaced: redis-rs tries again only after I/O errors, so the backend would refuse
+/// every call until the process restarts, even once the password is right again.
+#[tokio::test]
+async fn a_connection_refused_at_its_handshake_recovers_once_the_password_is_right() {
+    let server = RedisServer::start_with(&["--requirepass", "pw1"]);
+    let url = format!("redis://:pw1@127.0.0.1:{}/", server.port());
+    let options = RedisOptions {
+        call_timeout: Duration::from_millis(300),
+        ..RedisOptions::default()
+    };
+    let quota = Quota::builder("rotated")
+        .limit(2)
+        .ttl(TTL)
+        .backend(RedisBackend::connect_with(&url, options).await.unwrap())
+        .build()
+        .unwrap();
+    drop(quota.try_acquire("before").await.unwrap());
+    quota.flush().await;
+    server.command_auth("default", "pw1", &["CONFIG", "SET", "requirepass", "pw2"]);
+    for kind in ["normal", "pubsub"] {
+        server.command_auth("default", "pw2", &["CLIENT", "KILL", "TYPE", kind]);
+    }
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        match quota.try_acquire("during").await {
+            Err(Error::Misconfigured(leasehold::Misconfiguration::Auth(_))) => break,
+            other => {
+                assert!(Instant::now() < end, "never refused: {other:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    server.command_auth("default", "pw2", &["CONFIG", "SET", "requirepass", "pw1"]);
+    let fixed = Instant::now();
+    let end = fixed + Duration::from_secs(10);
+    loop {
+        match quota.try_acquire("after").await {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(
+                    Instant::now() < end,
+                    "still failing 10 s after the fix: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    println!(
+        "admitted {:?} after the password was right again",
+        fixed.elapsed()
+    );
+}
+
 #[tokio::test]
 async fn fail_open_admits_everyone_locally_while_redis_is_down() {
     let mut server = RedisServer::start();
@@ -373,9 +457,10 @@ async fn an_open_circuit_answers_at_once_even_before_the_first_subscription() {
     );
 }
 
-/// A local lease (granted while Redis was down) hears of a cancel only by message. After an
-/// outage longer than redis-rs's default reconnect budget (about 6 s), the connection must still
-/// come back by itself, subscription included, although this process sends no call at all.
+/// A local lease (granted while Redis was down) hears of a cancel only by message. After a long
+/// outage (redis-rs makes two connection attempts when the link drops, then none until a call),
+/// the connection must still come back by itself, subscription included, although this process
+/// sends no call at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_lease_hears_a_cancel_after_a_long_outage() {
     let mut server = RedisServer::start();

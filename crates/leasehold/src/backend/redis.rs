@@ -1,9 +1,11 @@
 //! The Redis backend: protocol v1 (docs/PROTOCOL.md) over one multiplexed RESP3 connection.
 //!
 //! One `ConnectionManager` per backend carries every command and the Pub/Sub subscriptions
-//! (RESP3 push), reconnects by itself and resubscribes after a reconnect. All I/O runs on the
-//! leasehold runtime (see `runtime.rs`), and every call has its own timeout: a call made while
-//! the link is down would otherwise wait for the manager's whole reconnect budget. A connection
+//! (RESP3 push), reconnects by itself (two attempts per disconnection, then two per call that
+//! finds it down: `new_manager` in `connection.rs`) and resubscribes after a reconnect. All I/O
+//! runs on the leasehold runtime (see `runtime.rs`), and every call has its own timeout (a
+//! connection attempt to a host that does not answer lasts up to the connect timeout). A
+//! connection whose handshake is refused is rebuilt, spaced (`Link::handshake_failed`). A connection
 //! that stops answering without breaking (wedged above TCP) is replaced by the backend itself
 //! after a few rounds of call timeouts (`link.rs`, `rebuild` in `connection.rs`).
 //!
@@ -314,9 +316,9 @@ impl RedisBackend {
     /// Runs `call` on the current connection with the call timeout, mapping errors for the
     /// quota `quota`; its outcome feeds the wedge detection.
     ///
-    /// A refused connection is tried once more, at once: the connection makes one attempt per
-    /// reconnection (`new_manager`), and a failed attempt is what every call sees until a call
-    /// starts the next one, so the first refusal may be a moment old. Nothing was sent either
+    /// A refused connection is tried once more, at once: a failed reconnection (two attempts,
+    /// `new_manager`) is what every call sees until a call starts the next one, so the first
+    /// refusal may be a moment old. Nothing was sent either
     /// time (a refusal comes from `connect`), so the call cannot run twice.
     async fn on_link<T, F, Fut>(&self, quota: &str, mut call: F) -> Result<T>
     where
@@ -347,6 +349,14 @@ impl RedisBackend {
                 false
             }
         };
+        let handshake_failed = matches!(&result, Ok(Err(e))
+            if e.kind() == ErrorKind::AuthenticationFailed
+                || matches!(e.code(), Some("NOAUTH" | "WRONGPASS")));
+        if handshake_failed {
+            if let Next::Rebuild = self.inner.link.handshake_failed(ticket) {
+                runtime::spawn(rebuild(self.inner.clone()));
+            }
+        }
         if timed_out {
             match self.inner.link.timed_out(ticket) {
                 Next::Nothing => {}
@@ -361,7 +371,7 @@ impl RedisBackend {
         match result {
             Ok(Err(e)) => Err(match map_error(e, quota) {
                 Error::Misconfigured(Misconfiguration::WrongType { quota, detail }) => {
-                    let detail = match self.wrong_typed_keys(&quota).await {
+                    let detail = match self.wrong_typed_keys(&quota, started + timeout).await {
                         Some(wrong) => format!("{wrong} ({detail})"),
                         None => detail,
                     };

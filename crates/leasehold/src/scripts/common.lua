@@ -38,7 +38,7 @@ local function check_types(limit_key)
   -- the reaping and the limit were written.
   local fence = redis.call('GET', KEYS[3])
   if fence and not integer(fence, 0, MAX) then
-    error({err = 'LEASEHOLD foreign value in ' .. KEYS[3] .. ': ' .. string.format('%q', fence) .. ' is no fencing token'})
+    error({err = 'LEASEHOLD foreign value in ' .. KEYS[3] .. ': ' .. string.format('%q', string.sub(fence, 1, 64)) .. ' is no fencing token'})
   end
   redis.call('GET', KEYS[5])
   redis.call('ZCARD', KEYS[1])

@@ -171,7 +171,7 @@ fn over_limit(s: &mut Stats, record: &PhaseRecord, within: &[&Interval], limit: 
     if record.policy_admits {
         // A lease granted by the backend-down policy is uncounted by Redis: running above the
         // limit while one runs is what FailOpen / DegradeLocal document, however long the
-        // client took to see Redis back (its short-circuit, its reconnect back-off).
+        // client took to see Redis back (its short-circuit).
         allowed.extend(
             within
                 .iter()

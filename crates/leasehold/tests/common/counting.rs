@@ -1,7 +1,8 @@
 //! A backend wrapper that counts the acquire answers "full" per task id, so that a test can wait
-//! (bounded) until a waiter was refused and is in line, on either backend.
+//! (bounded) until a waiter was refused and is in line, on either backend, and the renew calls.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use tokio::sync::broadcast;
 pub struct Counting {
     inner: Arc<dyn Backend>,
     refused: Mutex<HashMap<String, u64>>,
+    renewals: AtomicU64,
 }
 
 impl Counting {
@@ -25,7 +27,13 @@ impl Counting {
         Arc::new(Counting {
             inner,
             refused: Mutex::default(),
+            renewals: AtomicU64::new(0),
         })
+    }
+
+    /// How many renew calls went to the backend (answered or not).
+    pub fn renewals(&self) -> u64 {
+        self.renewals.load(Ordering::SeqCst)
     }
 
     /// How many acquires of `task_id` the backend answered "full".
@@ -72,6 +80,7 @@ impl Backend for Counting {
         epoch: &str,
         leases: &[(String, u64)],
     ) -> Result<RenewReply> {
+        self.renewals.fetch_add(1, Ordering::SeqCst);
         self.inner.renew(keys, ttl, epoch, leases).await
     }
     async fn set_limit(

@@ -34,13 +34,17 @@ pub(super) async fn new_manager(
     push_tx: &mpsc::UnboundedSender<PushInfo>,
 ) -> Result<ConnectionManager> {
     let timeout = options.call_timeout;
-    // One connection attempt per reconnection, no retries: a call made while redis-rs retries
-    // waits for all of them (about 9.5 s by default; the call timeout cut it short, as "no
-    // reply"), so a refused port cost every call its whole timeout before the short-circuit
-    // opened. With one attempt a refusal is known in a millisecond (`on_link` tries once more),
-    // and the next call, a renewal's retry, a waiter's poll or the keep-alive ping reconnects.
+    // Two connection attempts per reconnection, 50–100 ms apart: a call made while redis-rs
+    // retries waits for all of them (6–13 s with its defaults; the call timeout cut it short,
+    // as "no reply"), so a refused port cost every call its whole timeout before the
+    // short-circuit opened. Now a refusal is known within about 0.1 s (`on_link` tries once
+    // more when the refusal it sees is a moment old), and the next call, a renewal's retry, a
+    // waiter's poll or the keep-alive ping reconnects. The second attempt is for a server that
+    // is going away as the first one connects (killed, restarting): that attempt ends in a
+    // reset, which no call could tell from a command cut short, so none retries it.
     let config = ConnectionManagerConfig::new()
-        .set_number_of_retries(0)
+        .set_number_of_retries(1)
+        .set_min_delay(Duration::from_millis(50))
         .set_connection_timeout(Some(options.connect_timeout))
         .set_response_timeout(Some(options.call_timeout))
         .set_push_sender(push_tx.clone())
@@ -127,8 +131,8 @@ pub(super) const KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// Pings the connection when a second went by without an answered call while some quota
 /// listens, until the backend is dropped.
 ///
-/// After a disconnection redis-rs makes one connection attempt (`new_manager`), then reconnects
-/// only when a call is sent. A process that only holds local leases sends none, and its subscription, the
+/// After a disconnection redis-rs makes two connection attempts (`new_manager`), then
+/// reconnects only when a call is sent. A process that only holds local leases sends none, and its subscription, the
 /// only way such a lease hears of a cancel, would stay dead with Redis back. Unlimited retries
 /// inside redis-rs would instead outlive a dropped backend for as long as Redis stays away. A
 /// busy connection needs no ping: its own calls reconnect it.

@@ -103,9 +103,14 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
 impl RedisBackend {
     /// Names the keys of `quota` that hold another type than the protocol's, for an operator
     /// who was told WRONGTYPE by a script (which does not say which key). Off the hot path: runs
-    /// only after such a refusal, bounded by the call timeout; `None` when it cannot tell (an
-    /// ACL without `TYPE`, no answer, or every key as expected by now).
-    pub(super) async fn wrong_typed_keys(&self, quota: &str) -> Option<String> {
+    /// only after such a refusal, within what is left of its call's timeout (`deadline`); `None`
+    /// when it cannot tell (an ACL without `TYPE`, no answer in time, a cancel marker's
+    /// `GET`, or every key as expected by now).
+    pub(super) async fn wrong_typed_keys(
+        &self,
+        quota: &str,
+        deadline: tokio::time::Instant,
+    ) -> Option<String> {
         let keys = QuotaKeys::new(quota).ok()?;
         let expected = [
             (&keys.leases, "zset"),
@@ -121,11 +126,10 @@ impl RedisBackend {
             pipe.cmd("TYPE").arg(key.as_str());
         }
         let (mut conn, _) = self.inner.link.checkout();
-        let types: Vec<String> =
-            tokio::time::timeout(self.inner.options.call_timeout, pipe.query_async(&mut conn))
-                .await
-                .ok()?
-                .ok()?;
+        let types: Vec<String> = tokio::time::timeout_at(deadline, pipe.query_async(&mut conn))
+            .await
+            .ok()?
+            .ok()?;
         let wrong: Vec<String> = expected
             .iter()
             .zip(&types)

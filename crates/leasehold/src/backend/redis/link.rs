@@ -156,6 +156,22 @@ impl<C: Clone> Link<C> {
                 false => Next::Nothing,
             };
         }
+        self.rebuild_if_spaced(&mut state, now)
+    }
+
+    /// A call on the current connection failed in its handshake (refused credentials, an
+    /// answer that is not Redis): redis-rs starts a new connection attempt only after an I/O
+    /// error, so without a rebuild this connection would fail every call until the process
+    /// restarts, even once an operator fixed the cause. Rebuilds are spaced as for timeouts.
+    pub(super) fn handshake_failed(&self, ticket: Ticket) -> Next {
+        let mut state = self.lock();
+        if ticket.generation != state.generation {
+            return Next::Nothing;
+        }
+        self.rebuild_if_spaced(&mut state, Instant::now())
+    }
+
+    fn rebuild_if_spaced(&self, state: &mut State<C>, now: Instant) -> Next {
         let spaced = state
             .last_rebuild_at
             .is_none_or(|at| now >= at + state.spacing);
