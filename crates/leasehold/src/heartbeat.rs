@@ -7,7 +7,6 @@
 //! acquire had been a beat.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -28,13 +27,35 @@ pub(crate) struct Alarm {
     notify: Notify,
     /// The planned wake-up; `None` while the task is working out the next one.
     planned: Mutex<Option<Instant>>,
-    /// Renewals of the quota that failed at once in a row (the retry's back-off).
-    quick_failures: std::sync::atomic::AtomicU32,
+    /// Beats in a row whose renewals failed at once (the retry's back-off), and the latest such
+    /// beat: a beat's several calls (chunks, epochs) count once.
+    quick_failures: Mutex<(u32, Option<Instant>)>,
 }
 
 impl Alarm {
     fn planned(&self) -> MutexGuard<'_, Option<Instant>> {
         self.planned.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A renewal call of the beat at `beat` failed at once: how many beats in a row did so
+    /// before it (0 for the first).
+    fn quick_failure(&self, beat: Instant) -> u32 {
+        let mut row = self
+            .quick_failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if row.1.is_none_or(|latest| beat > latest) {
+            *row = (row.0.saturating_add(1), Some(beat));
+        }
+        row.0 - 1
+    }
+
+    /// A renewal call was answered: the back-off starts again.
+    fn answered(&self) {
+        *self
+            .quick_failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = (0, None);
     }
 
     /// A lease due for renewal at `at` was just registered.
@@ -75,12 +96,15 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                 }
             }
             let any_due = leases.iter().any(|l| !l.is_lost() && now >= l.renew_due());
-            // A beat brought forward (a new lease due, a retry) reports its failures to
-            // nobody's short-circuit: the regular beats count as they always did, and a retry
-            // every quarter second must not open the circuit on a blip by itself.
+            // A beat brought forward (a new lease due, a retry) keeps the regular cadence and
+            // reports its failures to nobody's short-circuit: the regular beats count as they
+            // always did (so an outage still opens it), and retries every quarter heartbeat
+            // must not open it on a blip by themselves.
             let regular = now >= next_beat;
             if regular || any_due {
-                next_beat = now + shared.config.heartbeat;
+                if regular {
+                    next_beat = now + shared.config.heartbeat;
+                }
                 // Each call carries the epoch its leases were confirmed in: normally one for all,
                 // two or more only around a loss of the quota's state, when leases admitted
                 // before it must say so to re-register.
@@ -114,7 +138,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                         let work = shared.admissions.pending.start();
                         runtime::spawn(async move {
                             let _work = work;
-                            renew(&shared, &epoch, chunk, pairs, regular).await;
+                            renew(&shared, &epoch, chunk, pairs, (now, regular)).await;
                         });
                     }
                 }
@@ -141,7 +165,7 @@ async fn renew(
     epoch: &str,
     leases: Vec<(Weak<LeaseInner>, Arc<ReleaseState>)>,
     pairs: Vec<(String, u64)>,
-    regular: bool,
+    (beat, regular): (Instant, bool),
 ) {
     let sent = Instant::now();
     // The call is bounded by the local deadline it would grant (sent + ttl − margin): a link
@@ -185,11 +209,7 @@ async fn renew(
             // stalled) waits for the beat, adding no load to a struggling server.
             let quick = refusal.is_none() && sent.elapsed() < RENEWAL_RETRY;
             let retry_at = quick.then(|| {
-                let row = shared
-                    .alarm
-                    .quick_failures
-                    .fetch_add(1, Ordering::Relaxed)
-                    .min(16);
+                let row = shared.alarm.quick_failure(beat).min(16);
                 let delay = RENEWAL_RETRY.saturating_mul(1 << row);
                 Instant::now() + delay.min(shared.config.heartbeat / 4)
             });
@@ -209,7 +229,7 @@ async fn renew(
             return;
         }
     };
-    shared.alarm.quick_failures.store(0, Ordering::Relaxed);
+    shared.alarm.answered();
     let mut released_but_renewed = Vec::new();
     for (((lease, release), pair), outcome) in leases.iter().zip(&pairs).zip(reply.outcomes) {
         if release.wants_release() {

@@ -235,9 +235,14 @@ impl LeaseInner {
 
     /// A renewal call sent at `sent` failed: `refusal` is what the backend refused it for, or
     /// `None` for a transient failure (an outage, a timeout). Returns whether it is the latest
-    /// outcome (no later call's is in).
+    /// outcome (no later call's is in). Past the local deadline nothing is recorded, as for a
+    /// late success (`renewed`): the reason the lease ended with stays what it was then.
     pub(crate) fn renewal_failed(&self, sent: Instant, refusal: Option<Misconfiguration>) -> bool {
-        self.times().outcome(sent, refusal)
+        let mut times = self.times();
+        if Instant::now() >= times.local_deadline {
+            return false;
+        }
+        times.outcome(sent, refusal)
     }
 
     /// Why the lease ends at its local deadline: the latest renewal's refusal, if it was

@@ -325,8 +325,11 @@ impl Quota {
             // Asked for the version above the stored one, which is the last: a backend keeps the
             // stored limit (set_limit.lua answers `kept`), which would read as a higher version
             // stored by someone else.
+            // (Unless the limit asked for is the one in force: nothing needs to change.)
             LimitUpdate::Kept(stored)
-                if version.is_none() && stored.version >= MAX_LIMIT_VERSION =>
+                if version.is_none()
+                    && stored.version >= MAX_LIMIT_VERSION
+                    && stored.limit != limit =>
             {
                 Err(Misconfiguration::LimitVersionsExhausted {
                     asked: limit,

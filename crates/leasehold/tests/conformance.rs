@@ -1244,7 +1244,8 @@ async fn set_limit_at_a_version_taken_by_another_limit_names_the_limit_asked(fx:
 
 /// Versions end at MAX_LIMIT_VERSION: `None` (one above the stored version) then has no version
 /// to take. It is an error that says so and how to recover, not `Kept`, which would read as a
-/// higher version stored by someone else.
+/// higher version stored by someone else; unless the limit asked for is the one stored, which
+/// needs no change (`Kept`).
 async fn set_limit_with_the_next_version_fails_once_the_versions_are_used_up(fx: Fixture) {
     let top = leasehold::MAX_LIMIT_VERSION;
     let operator = fx.quota(1, TTL);
@@ -1252,7 +1253,12 @@ async fn set_limit_with_the_next_version_fails_once_the_versions_are_used_up(fx:
         operator.set_limit(9, Some(top)).await.unwrap(),
         LimitUpdate::Stored(versioned(9, top))
     );
-    for limit in [10, 9] {
+    assert_eq!(
+        operator.set_limit(9, None).await.unwrap(),
+        LimitUpdate::Kept(versioned(9, top)),
+        "the limit asked for is in force"
+    );
+    for limit in [10, 8] {
         let result = operator.set_limit(limit, None).await;
         let text = match &result {
             Err(Error::Misconfigured(

@@ -245,6 +245,38 @@ async fn renewals_refused_at_once_are_retried_backing_off() {
     assert!(lease.is_held());
 }
 
+/// The quick retries keep the regular beats' cadence: those still count toward the
+/// short-circuit, so a process that only renews sees it open during an outage, as before the
+/// retries (a retry beat that restarted the cadence kept it closed for good).
+#[tokio::test]
+async fn renewals_alone_open_the_short_circuit_during_an_outage() {
+    let mut server = RedisServer::start();
+    let quota = Quota::builder("renewing-only")
+        .limit(1)
+        .ttl(Duration::from_secs(6))
+        .heartbeat(Duration::from_secs(1))
+        .breaker(BreakerConfig {
+            failures_to_open: 3,
+            cool_down: Duration::from_secs(30),
+        })
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("held").await.unwrap();
+    server.kill();
+    let killed = Instant::now();
+    while quota.breaker_mode() != BreakerMode::Open {
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "still {:?} 5 s into the outage",
+            quota.breaker_mode()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("opened {:?} after the kill", killed.elapsed());
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+}
+
 /// A connection whose handshake fails (the password was rotated and its reconnection refused)
 /// is rebuilt, spaced: redis-rs tries again only after I/O errors, so the backend would refuse
 /// every call until the process restarts, even once the password is right again.

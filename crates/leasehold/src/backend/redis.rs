@@ -306,8 +306,9 @@ impl RedisBackend {
         .await
     }
 
-    /// Connections built to replace one that stopped answering, since this backend connected
-    /// (attempts that could not connect included). For tests and diagnostics.
+    /// Connections built to replace one that stopped answering or whose handshake was refused,
+    /// since this backend connected (attempts that could not connect included). For tests and
+    /// diagnostics.
     #[doc(hidden)]
     pub fn connection_rebuilds(&self) -> u64 {
         self.inner.link.rebuilds()
@@ -354,7 +355,7 @@ impl RedisBackend {
                 || matches!(e.code(), Some("NOAUTH" | "WRONGPASS")));
         if handshake_failed {
             if let Next::Rebuild = self.inner.link.handshake_failed(ticket) {
-                runtime::spawn(rebuild(self.inner.clone()));
+                runtime::spawn(rebuild(self.inner.clone(), "refused at its handshake"));
             }
         }
         if timed_out {
@@ -364,7 +365,7 @@ impl RedisBackend {
                     runtime::spawn(probe(self.clone()));
                 }
                 Next::Rebuild => {
-                    runtime::spawn(rebuild(self.inner.clone()));
+                    runtime::spawn(rebuild(self.inner.clone(), "not answering"));
                 }
             }
         }

@@ -58,7 +58,8 @@ pub(super) async fn new_manager(
     .map_err(|e| map_error(e, ""))
 }
 
-/// Replaces a connection that stopped answering (see `link.rs`): connects anew, swaps the new
+/// Replaces a connection that stopped answering, or whose handshake was refused (see
+/// `link.rs`; `why` says which, for the log): connects anew, swaps the new
 /// connection in for every later call, and subscribes it to every quota channel the old one
 /// carried.
 ///
@@ -75,13 +76,14 @@ pub(super) async fn new_manager(
 /// Boxed: its resubscription is a call, and a call may start a rebuild.
 pub(super) fn rebuild(
     inner: Arc<Inner>,
+    why: &'static str,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
     Box::pin(async move {
         let rounds = inner.link.rounds();
         tracing::warn!(
             rounds,
             call_timeout = ?inner.options.call_timeout,
-            "redis connection not answering: replacing it"
+            "redis connection {why}: replacing it"
         );
         let conn = match new_manager(&inner.client, &inner.options, &inner.push_tx).await {
             Ok(conn) => conn,

@@ -159,8 +159,8 @@ impl<C: Clone> Link<C> {
         self.rebuild_if_spaced(&mut state, now)
     }
 
-    /// A call on the current connection failed in its handshake (refused credentials, an
-    /// answer that is not Redis): redis-rs starts a new connection attempt only after an I/O
+    /// A call on the current connection failed in its handshake (refused credentials): redis-rs
+    /// starts a new connection attempt only after an I/O
     /// error, so without a rebuild this connection would fail every call until the process
     /// restarts, even once an operator fixed the cause. Rebuilds are spaced as for timeouts.
     pub(super) fn handshake_failed(&self, ticket: Ticket) -> Next {
@@ -203,8 +203,8 @@ impl<C: Clone> Link<C> {
         state.answered_sent = None;
     }
 
-    /// The rebuild could not connect: the old connection stays; the next timeout after the
-    /// spacing tries again.
+    /// The rebuild could not connect: the old connection stays; the next timeout (or refused
+    /// handshake) after the spacing tries again.
     pub(super) fn rebuild_failed(&self) {
         self.lock().rebuilding = false;
     }
