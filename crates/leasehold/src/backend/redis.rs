@@ -350,14 +350,6 @@ impl RedisBackend {
                 false
             }
         };
-        let handshake_failed = matches!(&result, Ok(Err(e))
-            if e.kind() == ErrorKind::AuthenticationFailed
-                || matches!(e.code(), Some("NOAUTH" | "WRONGPASS")));
-        if handshake_failed {
-            if let Next::Rebuild = self.inner.link.handshake_failed(ticket) {
-                runtime::spawn(rebuild(self.inner.clone(), "refused at its handshake"));
-            }
-        }
         if timed_out {
             match self.inner.link.timed_out(ticket) {
                 Next::Nothing => {}
@@ -369,21 +361,32 @@ impl RedisBackend {
                 }
             }
         }
-        match result {
-            Ok(Err(e)) => Err(match map_error(e, quota) {
-                Error::Misconfigured(Misconfiguration::WrongType { quota, detail }) => {
-                    let detail = match self.wrong_typed_keys(&quota, started + timeout).await {
-                        Some(wrong) => format!("{wrong} ({detail})"),
-                        None => detail,
-                    };
-                    Misconfiguration::WrongType { quota, detail }.into()
+        let error = match result {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) => map_error(e, quota),
+            Err(_) => {
+                return Err(Error::BackendUnavailable(format!(
+                    "no reply from redis within {timeout:?}"
+                )))
+            }
+        };
+        match error {
+            // Refused credentials can only come from the connection's handshake, and redis-rs
+            // reconnects only after I/O errors: without a rebuild the refusal would stick.
+            Error::Misconfigured(Misconfiguration::Auth(_)) => {
+                if let Next::Rebuild = self.inner.link.handshake_failed(ticket) {
+                    runtime::spawn(rebuild(self.inner.clone(), "refused at its handshake"));
                 }
-                other => other,
-            }),
-            Ok(result) => result.map_err(|e| map_error(e, quota)),
-            Err(_) => Err(Error::BackendUnavailable(format!(
-                "no reply from redis within {timeout:?}"
-            ))),
+                Err(error)
+            }
+            Error::Misconfigured(Misconfiguration::WrongType { quota, detail }) => {
+                let detail = match self.wrong_typed_keys(&quota, started + timeout).await {
+                    Some(wrong) => format!("{wrong} ({detail})"),
+                    None => detail,
+                };
+                Err(Misconfiguration::WrongType { quota, detail }.into())
+            }
+            other => Err(other),
         }
     }
 
