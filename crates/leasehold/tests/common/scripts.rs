@@ -17,7 +17,10 @@ pub const SET_LIMIT_LUA: &str = concat!(
     include_str!("../../src/scripts/set_limit.lua")
 );
 pub const RELEASE_LUA: &str = include_str!("../../src/scripts/release.lua");
-pub const CANCEL_LUA: &str = include_str!("../../src/scripts/cancel.lua");
+pub const CANCEL_LUA: &str = concat!(
+    include_str!("../../src/scripts/common.lua"),
+    include_str!("../../src/scripts/cancel.lua")
+);
 pub const SNAPSHOT_LUA: &str = include_str!("../../src/scripts/snapshot.lua");
 
 /// The key `suffix` of `quota`.
