@@ -92,7 +92,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
             let leases = shared.leases();
             for lease in &leases {
                 if now >= lease.local_deadline() {
-                    lease.mark_lost(lease.local_deadline_reason());
+                    lease.mark_past_local_deadline();
                 }
             }
             let any_due = leases.iter().any(|l| !l.is_lost() && now >= l.renew_due());
@@ -213,17 +213,13 @@ async fn renew(
                 let delay = RENEWAL_RETRY.saturating_mul(1 << row);
                 Instant::now() + delay.min(shared.config.heartbeat / 4)
             });
-            let mut any = false;
             for lease in leases.iter().filter_map(|(lease, _)| lease.upgrade()) {
                 // Only where this was the latest outcome: a later call may have renewed it.
-                if lease.renewal_failed(sent, refusal.clone()) {
-                    if let Some(at) = retry_at {
-                        lease.renew_by(at);
-                        any = true;
-                    }
+                if let (true, Some(at)) = (lease.renewal_failed(sent, refusal.clone()), retry_at) {
+                    lease.renew_by(at);
                 }
             }
-            if let (true, Some(at)) = (any, retry_at) {
+            if let Some(at) = retry_at {
                 shared.alarm.renewal_due(at);
             }
             return;

@@ -245,6 +245,13 @@ impl LeaseInner {
         times.outcome(sent, refusal)
     }
 
+    /// Marks the lease lost at its local deadline, with [`local_deadline_reason`].
+    ///
+    /// [`local_deadline_reason`]: Self::local_deadline_reason
+    pub(crate) fn mark_past_local_deadline(&self) {
+        self.mark_lost(self.local_deadline_reason());
+    }
+
     /// Why the lease ends at its local deadline: the latest renewal's refusal, if it was
     /// refused, else no renewal confirmed in time.
     pub(crate) fn local_deadline_reason(&self) -> LostReason {

@@ -86,7 +86,7 @@ impl Shared {
             older.mark_lost(LostReason::Superseded);
         } else if let Some(expired) = live.as_ref().filter(|l| !l.is_lost()) {
             // Past its local deadline, and no longer in the registry the renewal task reads.
-            expired.mark_lost(expired.local_deadline_reason());
+            expired.mark_past_local_deadline();
         }
         drop(live);
         if !newer_held {
