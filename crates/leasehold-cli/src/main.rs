@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
-use leasehold::backend::LimitUpdate;
+use leasehold::backend::{LimitUpdate, VersionedLimit};
 use leasehold::{
     validate_cancel_reason, validate_task_id, Error, Misconfiguration, Quota, RedisBackend,
 };
@@ -169,19 +169,14 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
                         ),
                     ))
                 }
+                // A limit kept at the last version: said below, as any kept limit.
                 Err(Error::Misconfigured(Misconfiguration::LimitVersionsExhausted {
                     stored,
                     ..
-                })) => {
-                    return Err(Failure::new(
-                        exit::CONFIG,
-                        format!(
-                            "not changed: limit {stored} is stored at version {}; {}",
-                            leasehold::MAX_LIMIT_VERSION,
-                            higher_version(leasehold::MAX_LIMIT_VERSION, &key)
-                        ),
-                    ))
-                }
+                })) => LimitUpdate::Kept(VersionedLimit {
+                    limit: stored,
+                    version: leasehold::MAX_LIMIT_VERSION,
+                }),
                 other => other?,
             };
             match update {
