@@ -102,15 +102,28 @@ fn type_of(server: &RedisServer, quota: &str, suffix: &str) -> String {
         .unwrap_or_default()
 }
 
-/// Every key of `quota` with its serialized value, in order: what a refused call must leave as
-/// it was.
-fn dataset(server: &RedisServer, quota: &str) -> Vec<(String, Reply)> {
+/// The names of `quota`'s keys, in order.
+fn keys_of(server: &RedisServer, quota: &str) -> Vec<String> {
     let Reply::Array(names) = server.command(&["KEYS", &key(quota, "*")]) else {
         panic!("KEYS did not answer an array")
     };
     let mut names: Vec<String> = names.iter().filter_map(Reply::as_string).collect();
     names.sort();
     names
+}
+
+/// Deletes every key of `quota`: a loss of its state (the server is shared by cells that run
+/// at once, so no `FLUSHALL`).
+fn lose_state(server: &RedisServer, quota: &str) {
+    for name in keys_of(server, quota) {
+        server.command(&["DEL", &name]);
+    }
+}
+
+/// Every key of `quota` with its serialized value, in order: what a refused call must leave as
+/// it was.
+fn dataset(server: &RedisServer, quota: &str) -> Vec<(String, Reply)> {
+    keys_of(server, quota)
         .into_iter()
         .map(|name| {
             let dump = server.command(&["DUMP", &name]);
@@ -334,11 +347,7 @@ async fn a_call_that_writes_first_writes_nothing_on_a_foreign_key() {
             let quota = setup.quota(2, LONG);
             let name = quota.name().to_owned();
             quota.try_acquire("held").await.unwrap().abandon();
-            if let Reply::Array(names) = server.command(&["KEYS", &key(&name, "*")]) {
-                for n in names.iter().filter_map(Reply::as_string) {
-                    server.command(&["DEL", &n]);
-                }
-            }
+            lose_state(server, &name);
             put_foreign(server, &name, suffix, kind, ttl);
             let before = dataset(server, &name);
             assert_wrong_type(&cell, quota.try_acquire("t").await);
@@ -460,11 +469,7 @@ async fn renewal_cell(
     let name = quota.name().to_owned();
     let lease = quota.try_acquire("t").await.unwrap();
     if state != State::Kept {
-        if let Reply::Array(names) = server.command(&["KEYS", &key(&name, "*")]) {
-            for n in names.iter().filter_map(Reply::as_string) {
-                server.command(&["DEL", &n]);
-            }
-        }
+        lose_state(&server, &name);
     }
     if state == State::LostAndDetected {
         server.command(&[
