@@ -3,24 +3,22 @@
 
 use leasehold_testkit::{RedisServer, Reply};
 
-/// common.lua, then the script: what the library sends for acquire, renew and set_limit.
-pub const ACQUIRE_LUA: &str = concat!(
-    include_str!("../../src/scripts/common.lua"),
-    include_str!("../../src/scripts/acquire.lua")
-);
-pub const RENEW_LUA: &str = concat!(
-    include_str!("../../src/scripts/common.lua"),
-    include_str!("../../src/scripts/renew.lua")
-);
-pub const SET_LIMIT_LUA: &str = concat!(
-    include_str!("../../src/scripts/common.lua"),
-    include_str!("../../src/scripts/set_limit.lua")
-);
+/// common.lua, then the script `file`: what the library sends for acquire, renew, set_limit and
+/// cancel (its `after_common!`).
+macro_rules! after_common {
+    ($file:literal) => {
+        concat!(
+            include_str!("../../src/scripts/common.lua"),
+            include_str!(concat!("../../src/scripts/", $file))
+        )
+    };
+}
+
+pub const ACQUIRE_LUA: &str = after_common!("acquire.lua");
+pub const RENEW_LUA: &str = after_common!("renew.lua");
+pub const SET_LIMIT_LUA: &str = after_common!("set_limit.lua");
+pub const CANCEL_LUA: &str = after_common!("cancel.lua");
 pub const RELEASE_LUA: &str = include_str!("../../src/scripts/release.lua");
-pub const CANCEL_LUA: &str = concat!(
-    include_str!("../../src/scripts/common.lua"),
-    include_str!("../../src/scripts/cancel.lua")
-);
 pub const SNAPSHOT_LUA: &str = include_str!("../../src/scripts/snapshot.lua");
 
 /// The key `suffix` of `quota`.
