@@ -24,11 +24,23 @@ fn wait_state(pid: i32, what: &str, want: impl Fn(Option<char>) -> bool) {
     while !want(state(pid)) {
         assert!(
             Instant::now() < end,
-            "process {pid} never became {what}: {:?}",
-            state(pid)
+            "process {pid} never became {what}: {:?} [{}]",
+            stat_line(pid),
+            signal_status(pid)
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// The state and signal masks of `/proc/<pid>/status`, for a failure message: a process that
+/// should have stopped and did not may have the stop blocked, or be stuck in state D.
+fn signal_status(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("Sig") || l.starts_with("State"))
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 /// `/proc/<pid>/stat` after the command name (state, parent, group, session, tty, terminal's
@@ -168,27 +180,7 @@ fn a_short_stop_of_the_command_stops_the_run_and_both_go_on_when_continued() {
     let (mut run, command) = ticking_run(&server, "short", "5s", &dir);
     // Ctrl-Z with the command in the terminal's foreground reaches the command's group only.
     signal(-command, libc::SIGTSTP);
-    let end = Instant::now() + Duration::from_secs(5);
-    while state(run.id() as i32) != Some('T') {
-        if Instant::now() >= end {
-            let status = |pid: i32| {
-                std::fs::read_to_string(format!("/proc/{pid}/status"))
-                    .unwrap_or_default()
-                    .lines()
-                    .filter(|l| l.starts_with("Sig") || l.starts_with("State"))
-                    .collect::<Vec<_>>()
-                    .join(" | ")
-            };
-            panic!(
-                "leasehold run never stopped: run {:?} [{}], command {:?} [{}]",
-                stat_line(run.id() as i32),
-                status(run.id() as i32),
-                stat_line(command),
-                status(command)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_state(run.id() as i32, "stopped", |s| s == Some('T'));
     let stopped_at = ticks(&dir);
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(ticks(&dir), stopped_at);
