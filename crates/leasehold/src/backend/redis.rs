@@ -62,7 +62,7 @@ static RENEW: LazyLock<Script> =
 static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/release.lua")));
 static CANCEL: LazyLock<Script> =
-    LazyLock::new(|| Script::new(after_common!("../scripts/cancel.lua")));
+    LazyLock::new(|| Script::new(include_str!("../scripts/cancel.lua")));
 static SNAPSHOT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/snapshot.lua")));
 static SET_LIMIT: LazyLock<Script> =

@@ -1,7 +1,6 @@
--- leasehold protocol v1: common.lua, the functions acquire.lua, renew.lua, set_limit.lua and
--- cancel.lua share. A script cannot call another, so each of the four is sent to Redis as this
--- file followed by the script's own file, in one `EVAL`/`SCRIPT LOAD` body (PROTOCOL.md §5).
--- Defines locals only.
+-- leasehold protocol v1: common.lua, the functions acquire.lua, renew.lua and set_limit.lua share.
+-- A script cannot call another, so each of the three is sent to Redis as this file followed by
+-- the script's own file, in one `EVAL`/`SCRIPT LOAD` body (PROTOCOL.md §5). Defines locals only.
 
 -- Arguments are checked before anything is written: a call with a malformed one (a foreign or
 -- buggy client) fails with a `LEASEHOLD` error and changes nothing. Integers are plain decimal

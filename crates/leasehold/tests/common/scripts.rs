@@ -3,8 +3,8 @@
 
 use leasehold_testkit::{RedisServer, Reply};
 
-/// common.lua, then the script `file`: what the library sends for acquire, renew, set_limit and
-/// cancel (its `after_common!`).
+/// common.lua, then the script `file`: what the library sends for acquire, renew and set_limit
+/// (its `after_common!`).
 macro_rules! after_common {
     ($file:literal) => {
         concat!(
@@ -17,8 +17,8 @@ macro_rules! after_common {
 pub const ACQUIRE_LUA: &str = after_common!("acquire.lua");
 pub const RENEW_LUA: &str = after_common!("renew.lua");
 pub const SET_LIMIT_LUA: &str = after_common!("set_limit.lua");
-pub const CANCEL_LUA: &str = after_common!("cancel.lua");
 pub const RELEASE_LUA: &str = include_str!("../../src/scripts/release.lua");
+pub const CANCEL_LUA: &str = include_str!("../../src/scripts/cancel.lua");
 pub const SNAPSHOT_LUA: &str = include_str!("../../src/scripts/snapshot.lua");
 
 /// The key `suffix` of `quota`.
