@@ -20,7 +20,7 @@ pub enum LostReason {
     /// The task was cancelled; the text is the canceller's reason.
     Cancelled(String),
     /// The backend could not confirm a renewal before the holder's own monotonic deadline
-    /// (last acknowledged renewal + ttl − safety margin): it was unreachable or too slow, or this
+    /// (last acknowledged renewal + ttl in whole ms − 1 ms − safety margin): it was unreachable or too slow, or this
     /// process was paused. The backend may already have given the slot to someone else, so the
     /// holder must stop.
     LocalDeadline,

@@ -371,8 +371,8 @@ impl Lease {
         system_time(self.inner.times().deadline_ms)
     }
 
-    /// The holder's own monotonic deadline: last acknowledged renewal (or admission) + ttl −
-    /// safety margin, measured from when that call was sent. The lease is reported lost at this
+    /// The holder's own monotonic deadline: last acknowledged renewal (or admission) + ttl in
+    /// whole ms − 1 ms − safety margin, measured from when that call was sent. The lease is reported lost at this
     /// instant if no renewal is acknowledged before it.
     pub fn local_deadline(&self) -> Instant {
         self.inner.local_deadline()

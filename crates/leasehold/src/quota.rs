@@ -286,7 +286,8 @@ impl Quota {
     ///
     /// Versions end at [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION): once a limit is stored
     /// there, `None` has no version to take and fails with
-    /// [`Misconfiguration::LimitVersionsExhausted`] (nothing changed), and neither `set_limit` nor
+    /// [`Misconfiguration::LimitVersionsExhausted`] (nothing changed; unless the limit asked for
+    /// is already the one stored there: then `Ok(Kept)`), and neither `set_limit` nor
     /// any client's acquire can replace that limit until an operator deletes the quota's limit
     /// key in Redis (docs/PROTOCOL.md §3). So leave the versions to `None`, or keep explicit ones
     /// small.

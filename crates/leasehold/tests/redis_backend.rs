@@ -548,6 +548,9 @@ const LEASEHOLD_ACL: &[&str] = &[
     "+eval",
     "+script|load",
     "+subscribe",
+    // Redis checks UNSUBSCRIBE too: without it a process stays subscribed to the channel of every
+    // quota it ever used (`dropped_quotas_do_not_stay_subscribed`).
+    "+unsubscribe",
     "+time",
     "+get",
     "+set",
@@ -576,8 +579,18 @@ const LEASEHOLD_ACL: &[&str] = &[
 
 /// Creates the ACL user `lh` of [`LEASEHOLD_ACL`] on `server`; returns its URL.
 fn least_privilege_user(server: &RedisServer) -> String {
+    least_privilege_user_for(server, "allowed")
+}
+
+/// The ACL user `lh` of [`LEASEHOLD_ACL`] for the quotas whose names match `pattern` (a Redis
+/// glob) instead of `allowed`; returns its URL.
+fn least_privilege_user_for(server: &RedisServer, pattern: &str) -> String {
+    let rules: Vec<String> = LEASEHOLD_ACL
+        .iter()
+        .map(|rule| rule.replace("{allowed}", &format!("{{{pattern}}}")))
+        .collect();
     let mut setuser = vec!["ACL", "SETUSER", "lh"];
-    setuser.extend_from_slice(LEASEHOLD_ACL);
+    setuser.extend(rules.iter().map(String::as_str));
     assert_eq!(server.command(&setuser).as_string().as_deref(), Some("OK"));
     format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port())
 }
@@ -1780,7 +1793,9 @@ async fn events_stay_in_their_database() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_quotas_do_not_stay_subscribed() {
     let server = RedisServer::start();
-    let backend = std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
+    // As the README's least-privilege user: Redis checks the ACL for UNSUBSCRIBE too.
+    let url = least_privilege_user_for(&server, "tenant-*");
+    let backend = std::sync::Arc::new(RedisBackend::connect(&url).await.unwrap());
     let channels = || match server.command(&["PUBSUB", "CHANNELS", "leasehold:*"]) {
         leasehold_testkit::Reply::Array(v) => v.len(),
         _ => 0,

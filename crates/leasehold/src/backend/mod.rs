@@ -89,7 +89,8 @@ pub enum LimitUpdate {
     Stored(VersionedLimit),
     /// A higher version is stored and stays (or the same limit at the same version; or, asked
     /// for the next version, the stored one is already the largest): the limit in force.
-    /// [`Quota::set_limit`](crate::Quota::set_limit) answers it only for an explicit version.
+    /// [`Quota::set_limit`](crate::Quota::set_limit) answers it only for an explicit version,
+    /// or for `None` when the last version already stores the limit asked for.
     Kept(VersionedLimit),
     /// The same version is stored with another limit: nothing changed.
     /// [`Quota::set_limit`](crate::Quota::set_limit) reports it as
@@ -166,8 +167,8 @@ pub enum QuotaEvent {
 /// Most leases in one renewal call; more are split so one script never blocks Redis long.
 pub(crate) const RENEW_BATCH: usize = 5000;
 
-/// Storage for leases. Every method is one atomic step on the backend; times come from the
-/// backend's clock, never the caller's.
+/// Storage for leases. Every method is one atomic step on the backend (a renewal of more than
+/// 5000 leases is one step per 5000); times come from the backend's clock, never the caller's.
 #[async_trait]
 pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Reaps expired leases, then admits `task_id` if a slot is free, or extends and returns its
@@ -197,7 +198,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<AcquireReply>;
 
     /// Extends each `(task id, fencing token)` lease that still exists with that token to
-    /// `now + ttl`; never re-creates one. One round trip for all of them.
+    /// `max(its deadline, now + ttl)`; never re-creates one, except that leases forgotten by a
+    /// detected loss of the backend's state re-register (protocol §8). One round trip per 5000
+    /// leases.
     ///
     /// `epoch` is the epoch the leases were last confirmed in (the [`LeaseRecord::epoch`] of
     /// their admission, or the [`RenewReply::epoch`] of their latest renewal), so the backend
@@ -217,8 +220,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION), there is none above it: the stored limit
     /// stays and the answer is [`LimitUpdate::Kept`] (as `set_limit.lua` answers), which
     /// [`Quota::set_limit`](crate::Quota::set_limit) reports as
-    /// [`Misconfiguration::LimitVersionsExhausted`](crate::Misconfiguration::LimitVersionsExhausted).
-    /// Admissions use the new limit from the next acquire on; nobody is evicted.
+    /// [`Misconfiguration::LimitVersionsExhausted`](crate::Misconfiguration::LimitVersionsExhausted)
+    /// unless the stored limit is already the one asked for. Admissions use the new limit from the next acquire on; nobody is evicted.
     async fn set_limit(
         &self,
         keys: &QuotaKeys,

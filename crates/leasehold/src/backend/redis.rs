@@ -656,12 +656,23 @@ impl Backend for RedisBackend {
             // with the quota's last handle (`Backend::forget`).
             if !unheard.is_empty() {
                 // Best effort: a failure leaves them subscribed, and their messages unrouted.
-                let _ = this
+                let result = this
                     .on_link("", |mut conn| {
                         let unheard = &unheard;
                         async move { conn.unsubscribe(unheard).await }
                     })
                     .await;
+                match result {
+                    // An ACL without UNSUBSCRIBE: the subscriptions pile up for as long as the
+                    // process lives, which the operator should hear of.
+                    Err(e @ Error::Misconfigured(_)) => tracing::warn!(
+                        channels = unheard.len(),
+                        error = %e,
+                        "cannot unsubscribe from the channels of dropped quotas"
+                    ),
+                    Err(e) => tracing::debug!(error = %e, "unsubscribe failed"),
+                    Ok(()) => {}
+                }
             }
             // In place before the SUBSCRIBE, so the first messages after it find their way.
             let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
