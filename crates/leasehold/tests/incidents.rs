@@ -632,12 +632,12 @@ async fn a_waiter_is_still_woken_by_events_after_a_debug_sleep_replaced_the_conn
 }
 
 /// An `allkeys-*` policy may evict the `fence` counter alone (two of the three eviction runs
-/// above took it). The count is unharmed and no holder is wrong, but nothing detects the loss:
-/// new admissions restart tokens at 1, beside live leases that hold the same tokens, for as long
-/// as both live (not one heartbeat). PROTOCOL.md §7.7 holds only while Redis keeps its data
-/// (§9.5); this pins what survives: the cap and every holder's view.
+/// above took it). No loss is detected (the epoch stands), so the cap and every holder's view
+/// must survive as they are, and new admissions, even by a process that never saw a token, must
+/// go on above the live leases' tokens (PROTOCOL.md §5.2 step 8) instead of restarting at 1
+/// beside leases that hold the same tokens for as long as both live.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn losing_only_the_fence_keeps_the_cap_and_every_holder_but_tokens_repeat() {
+async fn losing_only_the_fence_keeps_the_cap_every_holder_and_unique_tokens() {
     let server = RedisServer::start();
     let name = unique("fence-evicted");
     let keys = QuotaKeys::new(&name).unwrap();
@@ -673,9 +673,16 @@ async fn losing_only_the_fence_keeps_the_cap_and_every_holder_but_tokens_repeat(
     }
     let old_tokens: Vec<u64> = old.iter().map(|l| l.fencing_token()).collect();
     let new_tokens: Vec<u64> = new.iter().map(|l| l.fencing_token()).collect();
-    println!(
-        "live after two ttls: old tokens {old_tokens:?}, new tokens {new_tokens:?} (a repeat: \
-         {})",
-        new_tokens.iter().any(|t| old_tokens.contains(t))
+    println!("live after two ttls: old tokens {old_tokens:?}, new tokens {new_tokens:?}");
+    let highest_old = old_tokens.iter().max().copied().unwrap();
+    assert!(
+        new_tokens.iter().all(|t| *t > highest_old),
+        "new tokens {new_tokens:?} repeat or precede the live ones {old_tokens:?}"
+    );
+    // And the fence stores the highest token issued again.
+    let stored = server.command(&["GET", &keys.fence]).as_string();
+    assert_eq!(
+        stored.as_deref(),
+        Some(new_tokens.iter().max().unwrap().to_string().as_str())
     );
 }
