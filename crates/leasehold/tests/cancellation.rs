@@ -656,6 +656,14 @@ async fn dropping_every_handle_keeps_leases_and_waiters_working() {
         let quota = quota.clone();
         async move { quota.acquire("waiting").await.map(|l| (l, Instant::now())) }
     });
+    let (server, channel) = (f.server.as_ref().unwrap(), f.keys().events);
+    assert!(
+        common::eventually(Duration::from_secs(2), || common::subscribers(
+            server, &channel
+        ) == 1)
+        .await,
+        "the waiting quota never subscribed to {channel}"
+    );
     tokio::time::sleep(Duration::from_millis(100)).await;
     drop(quota); // the waiter's clone is the only handle left
     tokio::time::sleep(ttl * 2).await;
@@ -677,6 +685,14 @@ async fn dropping_every_handle_keeps_leases_and_waiters_working() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(common::holder_ids(&observer).await.is_empty());
+    // And nothing of the quota stays subscribed once its last handle and lease are gone.
+    assert!(
+        common::eventually(Duration::from_secs(2), || common::subscribers(
+            server, &channel
+        ) == 0)
+        .await,
+        "still subscribed to {channel} with no handle left"
+    );
 }
 
 /// The Redis server goes away while a lease is held and waiters wait: the waiters get an error
@@ -917,4 +933,160 @@ fn main_returning_with_live_leases() {
     let flushed = run("flush");
     println!("drop, flush, return: {flushed} of 8 left");
     assert_eq!(flushed, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expiries and the backend-down policy.
+
+/// Only the head of the line arms a timer to the earliest lease deadline (nobody announces an
+/// expiry). The head cancelled before the expiry: the waiter promoted in its place must take
+/// the slot at the expiry, not at the line's next poll (here up to a ttl later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_waiter_promoted_when_the_head_is_cancelled_takes_the_slot_at_the_expiry() {
+    for f in [Fixture::memory().await, Fixture::redis().await] {
+        let ttl = Duration::from_millis(2000);
+        let quota = f.builder(1, ttl).poll_interval(NO_POLL).build().unwrap();
+        common::warm_up(&quota).await;
+        let crashed = quota.try_acquire("crashed").await.unwrap();
+        let expires = Instant::now() + ttl;
+        crashed.abandon(); // its slot comes back only when its deadline passes
+                           // The line behind the head polls one ttl after `next` joins (the poll interval is
+                           // longer): about 900 ms after the expiry, which the bound below tells apart.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let head = tokio::spawn({
+            let quota = quota.clone();
+            async move { quota.acquire("head").await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let next = tokio::spawn({
+            let quota = quota.clone();
+            async move { quota.acquire("next").await.map(|l| (l, Instant::now())) }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        head.abort();
+        assert!(head.await.unwrap_err().is_cancelled());
+        let (lease, at) = within(Duration::from_secs(5), "next", next)
+            .await
+            .unwrap()
+            .unwrap();
+        let late = at.saturating_duration_since(expires);
+        println!(
+            "{}: the promoted waiter got the expired slot {late:?} after the expiry",
+            f.name
+        );
+        assert!(
+            late < Duration::from_millis(450),
+            "the promoted waiter waited {late:?} past the expiry: no timer armed"
+        );
+        drop(lease);
+        quota.flush().await;
+        assert!(common::holder_ids(&quota).await.is_empty());
+    }
+}
+
+/// Acquires given up while the backend is down and `DegradeLocal` grants local leases (the
+/// circuit kept closed, so every attempt goes out and fails): a local lease nobody took is
+/// given back, and the local share is whole again afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_given_up_while_the_backend_is_down_give_their_local_share_back() {
+    use common::switchable::Switchable;
+    use leasehold::{BackendDownPolicy, BreakerConfig};
+    const SHARE: u32 = 2;
+    let backend = Arc::new(Switchable::default());
+    let quota = common::quota_with(backend.clone(), "down", 4, Duration::from_secs(5))
+        .when_backend_down(BackendDownPolicy::DegradeLocal { share: SHARE })
+        .breaker(BreakerConfig {
+            failures_to_open: u32::MAX,
+            cool_down: Duration::from_secs(30),
+        })
+        .poll_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    common::warm_up(&quota).await;
+    backend.set_down(true);
+    let (mut won, mut given_up) = (0, 0);
+    for round in 0..60 {
+        let mut tasks = Vec::new();
+        for k in 0..4 {
+            let mut rng = rand::rng();
+            let how = GIVE_UPS[rng.random_range(0..GIVE_UPS.len())];
+            let after = Duration::from_micros(rng.random_range(0..2000));
+            let quota = quota.clone();
+            tasks.push(tokio::spawn(cancel_one_while_down(
+                quota,
+                format!("d{round}-{k}"),
+                how,
+                after,
+            )));
+        }
+        for task in tasks {
+            match task.await.unwrap() {
+                Some(lease) => {
+                    assert!(lease.is_local());
+                    won += 1;
+                }
+                None => given_up += 1,
+            }
+        }
+    }
+    println!("backend down: {won} local leases won, {given_up} acquires given up");
+    within(Duration::from_secs(5), "flush", quota.flush()).await;
+    assert_eq!(quota.local_leases(), 0, "local slots left taken");
+    let fresh: Vec<_> = futures_all(&quota, SHARE).await;
+    assert!(fresh.iter().all(Lease::is_local));
+    assert_eq!(quota.local_leases(), SHARE);
+}
+
+/// Like [`cancel_one`], but `Full` (the local share used up) and `BackendUnavailable` are
+/// expected answers too.
+async fn cancel_one_while_down(
+    quota: Quota,
+    id: String,
+    how: GiveUp,
+    after: Duration,
+) -> Option<Lease> {
+    let fut = cancel_one_any(quota, id.clone(), how, after);
+    match fut.await {
+        Some(Ok(lease)) => Some(lease),
+        Some(Err(Error::TimedOut { .. } | Error::Full { .. } | Error::BackendUnavailable(_))) => {
+            None
+        }
+        Some(Err(e)) => panic!("{how:?} {id}: unexpected error {e}"),
+        None => None,
+    }
+}
+
+/// [`cancel_one`]'s ways of giving up, returning whatever came back before.
+async fn cancel_one_any(
+    quota: Quota,
+    id: String,
+    how: GiveUp,
+    after: Duration,
+) -> Option<Result<Lease, Error>> {
+    match how {
+        GiveUp::SelectAcquire | GiveUp::Nested | GiveUp::Abort => tokio::select! {
+            r = quota.acquire(&id) => Some(r),
+            _ = tokio::time::sleep(after) => None,
+        },
+        GiveUp::TimeoutAcquire => tokio::time::timeout(after, quota.acquire(&id)).await.ok(),
+        GiveUp::AcquireTimeout => Some(quota.acquire_timeout(&id, after).await),
+        GiveUp::SelectTry => tokio::select! {
+            r = quota.try_acquire(&id) => Some(r),
+            _ = tokio::time::sleep(after) => None,
+        },
+        GiveUp::Polls => {
+            let polls = 1 + (after.as_micros() % 4) as u32;
+            poll_then_drop(quota.acquire(&id), polls).await
+        }
+    }
+}
+
+/// `n` leases of fresh task ids, one after another.
+async fn futures_all(quota: &Quota, n: u32) -> Vec<Lease> {
+    let mut leases = Vec::new();
+    for i in 0..n {
+        let lease = quota.try_acquire(&format!("after-{i}")).await;
+        leases.push(lease.unwrap_or_else(|e| panic!("fresh acquire {i} of {n}: {e}")));
+    }
+    leases
 }
