@@ -20,9 +20,9 @@ pub enum LostReason {
     /// The task was cancelled; the text is the canceller's reason.
     Cancelled(String),
     /// The backend could not confirm a renewal before the holder's own monotonic deadline
-    /// (last acknowledged renewal + ttl in whole ms − 1 ms − safety margin): it was unreachable or too slow, or this
-    /// process was paused. The backend may already have given the slot to someone else, so the
-    /// holder must stop.
+    /// (last acknowledged renewal + ttl in whole ms − 1 ms − safety margin): it was unreachable
+    /// or too slow, or this process was paused. The backend may already have given the slot to
+    /// someone else, so the holder must stop.
     LocalDeadline,
     /// The holder's own monotonic deadline passed (as for
     /// [`LocalDeadline`](LostReason::LocalDeadline)) while the backend answered its latest

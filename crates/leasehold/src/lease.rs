@@ -372,8 +372,8 @@ impl Lease {
     }
 
     /// The holder's own monotonic deadline: last acknowledged renewal (or admission) + ttl in
-    /// whole ms − 1 ms − safety margin, measured from when that call was sent. The lease is reported lost at this
-    /// instant if no renewal is acknowledged before it.
+    /// whole ms − 1 ms − safety margin, measured from when that call was sent. The lease is
+    /// reported lost at this instant if no renewal is acknowledged before it.
     pub fn local_deadline(&self) -> Instant {
         self.inner.local_deadline()
     }
@@ -398,6 +398,10 @@ impl Lease {
 
     /// Resolves when the lease is no longer held, with the reason. Resolves at once if it is
     /// already lost.
+    ///
+    /// A clone of the lease moved into a task that awaits `lost()` keeps the lease held (it is
+    /// released when its last clone goes): to watch a lease from another task without holding
+    /// it, give that task [`Lease::lost_token`] instead.
     ///
     /// ```no_run
     /// # async fn work() {}
