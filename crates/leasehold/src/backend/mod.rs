@@ -221,7 +221,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// stays and the answer is [`LimitUpdate::Kept`] (as `set_limit.lua` answers), which
     /// [`Quota::set_limit`](crate::Quota::set_limit) reports as
     /// [`Misconfiguration::LimitVersionsExhausted`](crate::Misconfiguration::LimitVersionsExhausted)
-    /// unless the stored limit is already the one asked for. Admissions use the new limit from the next acquire on; nobody is evicted.
+    /// unless the stored limit is already the one asked for. Admissions use the new limit from
+    /// the next acquire on; nobody is evicted.
     async fn set_limit(
         &self,
         keys: &QuotaKeys,
