@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::scripts::{acquire_args, run, RELEASE_LUA};
-use leasehold::{Error, LostReason, Misconfiguration, Quota, RedisBackend};
+use leasehold::{Error, LostReason, Misconfiguration, Quota, QuotaKeys, RedisBackend};
 use leasehold_testkit::{free_port, RedisServer};
 
 async fn quota_on(server: &RedisServer, name: &str, limit: u64, ttl: Duration) -> Quota {
@@ -563,6 +563,8 @@ const LEASEHOLD_ACL: &[&str] = &[
     "+hsetnx",
     "+hincrby",
     "+hdel",
+    // Only to read the live leases' tokens when the fence alone was lost (PROTOCOL.md §5.2).
+    "+hvals",
     "+zadd",
     "+zrem",
     "+zscore",
@@ -620,6 +622,37 @@ async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
         .build()
         .unwrap();
     let err = forbidden.try_acquire("a").await.unwrap_err();
+    assert!(
+        matches!(err, Error::Misconfigured(Misconfiguration::NoPermission(_))),
+        "{err:?}"
+    );
+}
+
+/// The same user after the fence counter alone was lost while a lease lives: the admission reads
+/// the live tokens (`HVALS`, PROTOCOL.md §5.2 step 8) and goes on above them. Without that rule a
+/// script's ACL refusal, which Redis words without the NOPERM code, is still `NoPermission`.
+#[tokio::test]
+async fn a_least_privilege_acl_user_goes_on_above_live_tokens_after_the_fence_is_lost() {
+    let server = RedisServer::start();
+    let url = least_privilege_user(&server);
+    let keys = QuotaKeys::new("allowed").unwrap();
+    let quota = quota_at(&url, "allowed", 4, Duration::from_secs(5)).await;
+    let first = quota.try_acquire("a").await.unwrap();
+    let second = quota.try_acquire("b").await.unwrap();
+    assert_eq!(server.command(&["DEL", &keys.fence]).as_int(), Some(1));
+    let third = quota.try_acquire("c").await.unwrap();
+    assert_eq!(
+        third.fencing_token(),
+        second.fencing_token() + 1,
+        "tokens {} and {} live",
+        first.fencing_token(),
+        second.fencing_token()
+    );
+
+    assert_eq!(server.command(&["DEL", &keys.fence]).as_int(), Some(1));
+    let revoked = server.command(&["ACL", "SETUSER", "lh", "-hvals"]);
+    assert_eq!(revoked.as_string().as_deref(), Some("OK"));
+    let err = quota.try_acquire("d").await.unwrap_err();
     assert!(
         matches!(err, Error::Misconfigured(Misconfiguration::NoPermission(_))),
         "{err:?}"
@@ -1468,7 +1501,7 @@ fn a_waiter_whose_slot_was_given_back_tries_again_as_soon_as_it_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_is_not_cut_off_by_a_concurrent_subscribe_that_fails() {
     use leasehold::backend::QuotaEvent;
-    use leasehold::{Backend, QuotaKeys};
+    use leasehold::Backend;
     let server = RedisServer::start();
     let proxy = leasehold_testkit::proxy::FaultProxy::start(server.port());
     let backend = RedisBackend::connect(&proxy.url()).await.unwrap();

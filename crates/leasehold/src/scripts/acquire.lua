@@ -78,11 +78,13 @@ end
 -- The stored fence. Without one while the epoch stands (an eviction or a DEL took the fence
 -- alone: no loss is detected), the highest token among the live leases' holders and the one the
 -- caller saw (ARGV[6]), so that a new token never repeats a live lease's. Off the common path:
--- the holders are read only when the fence is missing.
-local function fence_in_force()
+-- the holders are read only when the fence is missing while `live` leases exist (not for a new
+-- quota's first admission).
+local function fence_in_force(live)
   local stored_fence = redis.call('GET', KEYS[3])
   if stored_fence then return tonumber(stored_fence) end
   local highest = tonumber(ARGV[6])
+  if live == 0 then return highest end
   for _, meta in ipairs(redis.call('HVALS', KEYS[2])) do
     local sep = string.find(meta, ':', 1, true)
     local token = sep and tonumber(string.sub(meta, 1, sep - 1))
@@ -129,7 +131,7 @@ for k = 1, n do
     quarantine_left = quarantine_left or redis.call('PTTL', KEYS[5])
     count = count or redis.call('ZCARD', KEYS[1])
     if not mismatch and quarantine_left <= 0 and count < limit then
-      fence = (fence or fence_in_force()) + 1
+      fence = (fence or fence_in_force(count)) + 1
       if fence > MAX then
         -- 2^53 - 1 admissions: tokens could no longer be told apart. Nothing admitted yet is
         -- written; what this call changed before (reaping, the epoch) is right as it is.

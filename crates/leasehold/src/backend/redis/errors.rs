@@ -44,7 +44,8 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         }
         .into();
     }
-    if code == "NOPERM" || text.contains("NOPERM") {
+    // Inside a script Redis words an ACL refusal without the NOPERM code.
+    if code == "NOPERM" || text.contains("NOPERM") || text.contains("can't run this command") {
         return Misconfiguration::NoPermission(text).into();
     }
     if matches!(code, "NOAUTH" | "WRONGPASS")
