@@ -118,11 +118,13 @@ async fn a_wrong_typed_key_leaves_no_half_written_lease() {
 
 /// A fence of the right type that holds no token (written from outside) fails the acquire before
 /// it writes anything, naming the key: not the Lua arithmetic error it met halfway, after the
-/// expired leases were reaped and the limit stored.
+/// expired leases were reaped and the limit stored. The value quoted in the error reads like
+/// other errors' codes, which must not change its category.
 #[tokio::test]
 async fn a_fence_that_holds_no_token_is_refused_before_anything_is_written() {
     let server = RedisServer::start();
-    server.command(&["SET", "leasehold:{fenced}:fence", "not a number"]);
+    let foreign = "WRONGTYPE NOPERM ACL failure in script: not a number";
+    server.command(&["SET", "leasehold:{fenced}:fence", foreign]);
     server.command(&["ZADD", "leasehold:{fenced}:leases", "1", "old"]);
     server.command(&["HSET", "leasehold:{fenced}:holders", "old", "1:1"]);
     let quota = quota_on(&server, "fenced", 5, Duration::from_secs(5)).await;

@@ -1,5 +1,5 @@
 -- leasehold protocol v1: acquire, for one or more task ids in order
--- Sent after common.lua, whose functions it uses (integer, refuse, check_types, check_epoch).
+-- Sent after common.lua, whose functions it uses (integer, refuse, check_types, check_epoch, fence_in_force).
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
 -- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, seq, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
 -- KEYS[6] waiting (STRING, with a TTL: someone was refused lately)   KEYS[7] limit (HASH limit, version)
@@ -75,24 +75,6 @@ for k = 1, n do
   end
 end
 
--- The stored fence. Without one while the epoch stands (an eviction or a DEL took the fence
--- alone: no loss is detected), the highest token among the live leases' holders and the one the
--- caller saw (ARGV[6]), so that a new token never repeats a live lease's. Off the common path:
--- the holders are read only when the fence is missing while `live` leases exist (not for a new
--- quota's first admission).
-local function fence_in_force(live)
-  local stored_fence = redis.call('GET', KEYS[3])
-  if stored_fence then return tonumber(stored_fence) end
-  local highest = tonumber(ARGV[6])
-  if live == 0 then return highest end
-  for _, meta in ipairs(redis.call('HVALS', KEYS[2])) do
-    local sep = string.find(meta, ':', 1, true)
-    local token = sep and tonumber(string.sub(meta, 1, sep - 1))
-    if token and token > highest and token <= MAX then highest = token end
-  end
-  return highest
-end
-
 -- Read once per call, when first needed, and kept up to date by this call's own writes.
 local count, quarantine_left, fence, earliest
 -- The latest expiry hint given to a refused task id, if any was refused.
@@ -131,7 +113,13 @@ for k = 1, n do
     quarantine_left = quarantine_left or redis.call('PTTL', KEYS[5])
     count = count or redis.call('ZCARD', KEYS[1])
     if not mismatch and quarantine_left <= 0 and count < limit then
-      fence = (fence or fence_in_force(count)) + 1
+      if not fence then
+        -- A missing fence also goes above the highest token this caller saw.
+        local stored
+        fence, stored = fence_in_force()
+        if not stored then fence = math.max(fence, tonumber(ARGV[6])) end
+      end
+      fence = fence + 1
       if fence > MAX then
         -- 2^53 - 1 admissions: tokens could no longer be told apart. Nothing admitted yet is
         -- written; what this call changed before (reaping, the epoch) is right as it is.

@@ -46,6 +46,32 @@ local function check_types(limit_key)
   return redis.call('HMGET', limit_key, 'limit', 'version')
 end
 
+-- The fence in force (PROTOCOL.md §5.2 step 8), and whether it is stored: the counter, or when
+-- it is missing while `holders` exists (the fence was lost without the holders: an eviction, a
+-- DEL), the highest token among the holders' values, so that no new token repeats one in use. A
+-- missing fence without holders (a new quota) is 0, read without HVALS.
+local function fence_in_force()
+  local stored = redis.call('GET', KEYS[3])
+  if stored then return tonumber(stored), true end
+  local highest = 0
+  if redis.call('EXISTS', KEYS[2]) == 1 then
+    for _, meta in ipairs(redis.call('HVALS', KEYS[2])) do
+      local sep = string.find(meta, ':', 1, true)
+      local token = sep and integer(string.sub(meta, 1, sep - 1), 1, MAX)
+      if token and token > highest then highest = token end
+    end
+  end
+  return highest, false
+end
+
+-- Raises the fence to at least `token` (an integer); stores the fence in force if it is missing.
+local function raise_fence(token)
+  local fence, stored = fence_in_force()
+  if token > fence or not stored then
+    redis.call('SET', KEYS[3], string.format('%d', math.max(fence, token)))
+  end
+end
+
 -- Dataset loss (PROTOCOL.md §5.2 step 1, §8), for acquire and renew, whose KEYS[3], KEYS[4] and
 -- KEYS[5] are the fence, the epoch and the quarantine. A caller that saw another epoch (or one
 -- that vanished) proves the quota's state was lost while leases may still run. Admissions pause
@@ -98,8 +124,8 @@ local function check_epoch(t, now, ttl, sent, sent_seq, highest_token, unchecked
   -- A caller from before the loss raises the fence to the highest token it has seen, so that
   -- the tokens issued from now on exceed those too, not only the re-registered ones (a holder
   -- that finished before the loss never re-registers its token).
-  if stale and tonumber(highest_token) > tonumber(redis.call('GET', KEYS[3]) or '0') then
-    redis.call('SET', KEYS[3], highest_token)
+  if stale then
+    raise_fence(tonumber(highest_token))
   end
   return epoch, seq, stale
 end

@@ -1,5 +1,5 @@
 -- leasehold protocol v1: renew (heartbeat) many leases in one call
--- Sent after common.lua, whose functions it uses (integer, refuse, check_types via check_epoch).
+-- Sent after common.lua, whose functions it uses (integer, refuse, check_types via check_epoch, raise_fence).
 -- KEYS[1] leases   KEYS[2] holders   KEYS[3] fence   KEYS[4] epoch   KEYS[5] quarantine
 -- KEYS[6] limit   KEYS[6+k] cancel marker of the k-th task id
 -- ARGV[1] ttl ms   ARGV[2] the epoch the renewed leases were last confirmed in, or ''
@@ -75,9 +75,7 @@ for i = 5, #ARGV, 2 do
     redis.call('ZADD', KEYS[1], value, id)
     redis.call('HSET', KEYS[2], id, token .. ':' .. string.format('%d', now))
     -- Tokens issued after the loss must still exceed every token in use.
-    if tonumber(redis.call('GET', KEYS[3]) or '0') < tonumber(token) then
-      redis.call('SET', KEYS[3], token)
-    end
+    raise_fence(tonumber(token))
     code = 1
     changed = true
     if cancelled then

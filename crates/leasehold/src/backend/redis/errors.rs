@@ -37,6 +37,12 @@ pub(super) fn one_line(text: &str) -> String {
 pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
     let text = one_line(&e.to_string());
     let code = e.code().unwrap_or("");
+    if code == "LEASEHOLD" {
+        // A script refused its arguments (out of range, not plain decimal) or a foreign value
+        // before writing anything, or ran out of fencing tokens: this client, or the data, breaks
+        // the protocol. First: the text may quote a foreign value that reads like another error.
+        return Misconfiguration::Protocol(text).into();
+    }
     if code == "WRONGTYPE" || text.contains("WRONGTYPE") {
         return Misconfiguration::WrongType {
             quota: quota.to_owned(),
@@ -44,8 +50,13 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         }
         .into();
     }
-    // Inside a script Redis words an ACL refusal without the NOPERM code.
-    if code == "NOPERM" || text.contains("NOPERM") || text.contains("can't run this command") {
+    // Inside a script Redis words an ACL refusal without the NOPERM code: "The user executing
+    // the script can't run this command" (7.0, 7.1), "ACL failure in script" (7.2 on, Valkey).
+    if code == "NOPERM"
+        || text.contains("NOPERM")
+        || text.contains("The user executing the script can't run")
+        || text.contains("ACL failure in script")
+    {
         return Misconfiguration::NoPermission(text).into();
     }
     if matches!(code, "NOAUTH" | "WRONGPASS")
@@ -67,11 +78,6 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         // Checked before the script case: Redis reports these with the script's name when a
         // command inside it was refused, and they pass (a promotion, freed memory, a load done).
         return Error::BackendUnavailable(format!("the server refuses for now ({code}): {text}"));
-    }
-    if code == "LEASEHOLD" {
-        // A script refused its arguments (out of range, not plain decimal) before writing
-        // anything, or ran out of fencing tokens: this client, or the data, breaks the protocol.
-        return Misconfiguration::Protocol(text).into();
     }
     if text.contains("user_script") {
         // A script failed on data it did not expect (a key rewritten from outside): retrying
