@@ -1,5 +1,6 @@
 -- leasehold protocol v1: acquire, for one or more task ids in order
--- Sent after common.lua, whose functions it uses (integer, refuse, check_types, check_epoch, fence_in_force).
+-- Sent after common.lua, whose functions it uses (integer, refuse, check_types, check_epoch,
+-- fence_in_force).
 -- KEYS[1] leases (ZSET task id -> deadline ms)   KEYS[2] holders (HASH task id -> "token:acquired_ms")
 -- KEYS[3] fence (STRING counter)   KEYS[4] epoch (HASH id, seq, detected_ms)   KEYS[5] quarantine (STRING, with a TTL)
 -- KEYS[6] waiting (STRING, with a TTL: someone was refused lately)   KEYS[7] limit (HASH limit, version)
@@ -113,13 +114,8 @@ for k = 1, n do
     quarantine_left = quarantine_left or redis.call('PTTL', KEYS[5])
     count = count or redis.call('ZCARD', KEYS[1])
     if not mismatch and quarantine_left <= 0 and count < limit then
-      if not fence then
-        -- A missing fence also goes above the highest token this caller saw.
-        local stored
-        fence, stored = fence_in_force()
-        if not stored then fence = math.max(fence, tonumber(ARGV[6])) end
-      end
-      fence = fence + 1
+      -- A missing fence also goes above the highest token this caller saw.
+      fence = (fence or fence_in_force(tonumber(ARGV[6]))) + 1
       if fence > MAX then
         -- 2^53 - 1 admissions: tokens could no longer be told apart. Nothing admitted yet is
         -- written; what this call changed before (reaping, the epoch) is right as it is.

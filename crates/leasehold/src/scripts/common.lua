@@ -47,13 +47,13 @@ local function check_types(limit_key)
 end
 
 -- The fence in force (PROTOCOL.md §5.2 step 8), and whether it is stored: the counter, or when
--- it is missing while `holders` exists (the fence was lost without the holders: an eviction, a
--- DEL), the highest token among the holders' values, so that no new token repeats one in use. A
--- missing fence without holders (a new quota) is 0, read without HVALS.
-local function fence_in_force()
+-- it is missing, the highest of `floor` (a token the caller knows of) and the tokens among the
+-- holders' values (the fence was lost without the holders: an eviction, a DEL), so that no new
+-- token repeats one in use. `holders` is read only if it exists: not for a new quota.
+local function fence_in_force(floor)
   local stored = redis.call('GET', KEYS[3])
   if stored then return tonumber(stored), true end
-  local highest = 0
+  local highest = floor
   if redis.call('EXISTS', KEYS[2]) == 1 then
     for _, meta in ipairs(redis.call('HVALS', KEYS[2])) do
       local sep = string.find(meta, ':', 1, true)
@@ -66,7 +66,7 @@ end
 
 -- Raises the fence to at least `token` (an integer); stores the fence in force if it is missing.
 local function raise_fence(token)
-  local fence, stored = fence_in_force()
+  local fence, stored = fence_in_force(token)
   if token > fence or not stored then
     redis.call('SET', KEYS[3], string.format('%d', math.max(fence, token)))
   end

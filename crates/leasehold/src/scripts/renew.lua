@@ -1,5 +1,6 @@
 -- leasehold protocol v1: renew (heartbeat) many leases in one call
--- Sent after common.lua, whose functions it uses (integer, refuse, check_types via check_epoch, raise_fence).
+-- Sent after common.lua, whose functions it uses (integer, refuse, check_types via check_epoch,
+-- raise_fence).
 -- KEYS[1] leases   KEYS[2] holders   KEYS[3] fence   KEYS[4] epoch   KEYS[5] quarantine
 -- KEYS[6] limit   KEYS[6+k] cancel marker of the k-th task id
 -- ARGV[1] ttl ms   ARGV[2] the epoch the renewed leases were last confirmed in, or ''
