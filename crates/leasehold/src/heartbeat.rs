@@ -138,7 +138,7 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
                         let work = shared.admissions.pending.start();
                         runtime::spawn(async move {
                             let _work = work;
-                            renew(&shared, &epoch, chunk, pairs, (now, regular)).await;
+                            renew(&shared, &epoch, chunk, pairs, now, regular).await;
                         });
                     }
                 }
@@ -165,7 +165,8 @@ async fn renew(
     epoch: &str,
     leases: Vec<(Weak<LeaseInner>, Arc<ReleaseState>)>,
     pairs: Vec<(String, u64)>,
-    (beat, regular): (Instant, bool),
+    beat: Instant,
+    regular: bool,
 ) {
     let sent = Instant::now();
     // The call is bounded by the local deadline it would grant (sent + ttl − margin): a link

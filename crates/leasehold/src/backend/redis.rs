@@ -5,9 +5,9 @@
 //! finds it down: `new_manager` in `connection.rs`) and resubscribes after a reconnect. All I/O
 //! runs on the leasehold runtime (see `runtime.rs`), and every call has its own timeout (a
 //! connection attempt to a host that does not answer lasts up to the connect timeout). A
-//! connection whose handshake is refused is rebuilt, spaced (`Link::handshake_failed`). A connection
-//! that stops answering without breaking (wedged above TCP) is replaced by the backend itself
-//! after a few rounds of call timeouts (`link.rs`, `rebuild` in `connection.rs`).
+//! connection whose handshake is refused is rebuilt, spaced (`Link::handshake_failed`). A
+//! connection that stops answering without breaking (wedged above TCP) is replaced by the
+//! backend itself after a few rounds of call timeouts (`link.rs`, `rebuild` in `connection.rs`).
 //!
 //! The modules below: `calls` builds the batched script calls and reads their replies
 //! (`replies`), `epochs` tracks the quota epochs replies report, `errors` sorts Redis errors into
@@ -319,8 +319,8 @@ impl RedisBackend {
     ///
     /// A refused connection is tried once more, at once: a failed reconnection (two attempts,
     /// `new_manager`) is what every call sees until a call starts the next one, so the first
-    /// refusal may be a moment old. Nothing was sent either
-    /// time (a refusal comes from `connect`), so the call cannot run twice.
+    /// refusal may be a moment old. Nothing was sent either time (a refusal comes from
+    /// `connect`), so the call cannot run twice.
     async fn on_link<T, F, Fut>(&self, quota: &str, mut call: F) -> Result<T>
     where
         F: FnMut(ConnectionManager) -> Fut,

@@ -160,9 +160,9 @@ impl<C: Clone> Link<C> {
     }
 
     /// A call on the current connection failed in its handshake (refused credentials): redis-rs
-    /// starts a new connection attempt only after an I/O
-    /// error, so without a rebuild this connection would fail every call until the process
-    /// restarts, even once an operator fixed the cause. Rebuilds are spaced as for timeouts.
+    /// starts a new connection attempt only after an I/O error, so without a rebuild this
+    /// connection would fail every call until the process restarts, even once an operator fixed
+    /// the cause. Rebuilds are spaced as for timeouts.
     pub(super) fn handshake_failed(&self, ticket: Ticket) -> Next {
         let mut state = self.lock();
         if ticket.generation != state.generation {
