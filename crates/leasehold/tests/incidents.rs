@@ -40,6 +40,48 @@ fn redis_holds(server: &RedisServer, keys: &QuotaKeys, lease: &Lease) -> bool {
 
 /// Fails the test on an error that says "misconfigured": an incident of the server is never
 /// the operator's configuration.
+/// Whether both processes of a test subscribe the quota's channel within `within`.
+async fn both_subscribed(server: &RedisServer, keys: &QuotaKeys, within: Duration) -> bool {
+    eventually(within, || subscribers(server, &keys.events) == 2).await
+}
+
+/// Until the waiter of `waiter_backend` was refused once (it is in line) and both processes
+/// subscribe the quota's channel.
+async fn waiting_and_subscribed(server: &RedisServer, keys: &QuotaKeys, waiter_backend: &Counting) {
+    assert!(
+        waiter_backend
+            .all_refused(&["waiter"], Duration::from_secs(3))
+            .await
+    );
+    assert!(
+        both_subscribed(server, keys, Duration::from_secs(3)).await,
+        "both processes subscribe"
+    );
+}
+
+/// Releases `lease` and waits (bounded by `within`) for `waiter`: the lease it got, how long
+/// after the release it got it, and what else the waiter returned.
+async fn released_to_waiter<T>(
+    lease: Lease,
+    waiter: tokio::task::JoinHandle<(leasehold::Result<Lease>, Instant, T)>,
+    within: Duration,
+) -> (Lease, Duration, T) {
+    let released = Instant::now();
+    lease.release().await.unwrap();
+    let (acquired, woken, rest) = tokio::time::timeout(within, waiter).await.unwrap().unwrap();
+    let acquired = acquired.expect("the waiter gets the released slot");
+    (acquired, woken - released, rest)
+}
+
+/// A waiter whose polls are seconds apart was admitted `wake` after a release: by the release
+/// message, not by a poll.
+fn assert_woken_by_the_event(wake: Duration) {
+    assert!(
+        wake < Duration::from_millis(1500),
+        "waiter woke {wake:?} after the release: by its poll, not by the event"
+    );
+}
+
 fn transient_or_full(err: &Error, during: &str) {
     assert!(
         err.is_transient(),
@@ -351,19 +393,7 @@ async fn client_kill_type_pubsub_keeps_leases_and_waiters_are_still_woken_by_eve
             .await;
         (lease, Instant::now(), waiter_quota)
     });
-    assert!(
-        waiter_backend
-            .all_refused(&["waiter"], Duration::from_secs(3))
-            .await
-    );
-    assert!(
-        eventually(Duration::from_secs(3), || subscribers(
-            &server,
-            &keys.events
-        ) == 2)
-        .await,
-        "both processes subscribe"
-    );
+    waiting_and_subscribed(&server, &keys, &waiter_backend).await;
     let killed = server
         .command(&["CLIENT", "KILL", "TYPE", "pubsub"])
         .as_int();
@@ -374,11 +404,7 @@ async fn client_kill_type_pubsub_keeps_leases_and_waiters_are_still_woken_by_eve
     );
     let resubscribed = Instant::now();
     assert!(
-        eventually(Duration::from_secs(4), || subscribers(
-            &server,
-            &keys.events
-        ) == 2)
-        .await,
+        both_subscribed(&server, &keys, Duration::from_secs(4)).await,
         "both processes subscribe again"
     );
     let resubscribed = resubscribed.elapsed();
@@ -399,24 +425,14 @@ async fn client_kill_type_pubsub_keeps_leases_and_waiters_are_still_woken_by_eve
     );
     assert_eq!(lease.lost_reason(), None);
     let refusals = waiter_backend.refused("waiter");
-    let released = Instant::now();
-    lease.release().await.unwrap();
-    let (acquired, woken, _quota) = tokio::time::timeout(Duration::from_secs(10), waiter)
-        .await
-        .unwrap()
-        .unwrap();
-    let acquired = acquired.expect("the waiter gets the released slot");
-    let wake = woken - released;
+    let (acquired, wake, _quota) = released_to_waiter(lease, waiter, Duration::from_secs(10)).await;
     println!(
         "resubscribed {resubscribed:?} after the kill; waiter admitted {wake:?} after the \
          release ({} refusals before it)",
         refusals
     );
     assert!(acquired.is_held());
-    assert!(
-        wake < Duration::from_millis(1500),
-        "waiter woke {wake:?} after the release: by its poll, not by the event"
-    );
+    assert_woken_by_the_event(wake);
     acquired.release().await.unwrap();
 }
 
@@ -575,27 +591,12 @@ async fn a_waiter_is_still_woken_by_events_after_a_debug_sleep_replaced_the_conn
         };
         (lease, Instant::now(), (waiter_quota, transient))
     });
-    assert!(
-        waiter_backend
-            .all_refused(&["waiter"], Duration::from_secs(3))
-            .await
-    );
-    assert!(
-        eventually(Duration::from_secs(3), || subscribers(
-            &server,
-            &keys.events
-        ) == 2)
-        .await
-    );
+    waiting_and_subscribed(&server, &keys, &waiter_backend).await;
     sleep_server(&server, 3.5).await.unwrap();
     let woke = Instant::now();
     // Both processes are subscribed again, and the holder renewed after the spike.
     assert!(
-        eventually(Duration::from_secs(4), || subscribers(
-            &server,
-            &keys.events
-        ) == 2)
-        .await,
+        both_subscribed(&server, &keys, Duration::from_secs(4)).await,
         "subscribed again after the spike: {}",
         subscribers(&server, &keys.events)
     );
@@ -608,15 +609,8 @@ async fn a_waiter_is_still_woken_by_events_after_a_debug_sleep_replaced_the_conn
     );
     assert_eq!(lease.lost_reason(), None);
     let resubscribed = woke.elapsed();
-    let released = Instant::now();
-    lease.release().await.unwrap();
-    let (acquired, woken, (_quota, transient)) =
-        tokio::time::timeout(Duration::from_secs(12), waiter)
-            .await
-            .unwrap()
-            .unwrap();
-    let acquired = acquired.expect("the waiter gets the released slot");
-    let wake = woken - released;
+    let (acquired, wake, (_quota, transient)) =
+        released_to_waiter(lease, waiter, Duration::from_secs(12)).await;
     println!(
         "connection rebuilds: holder {}, waiter {}; both subscribed {resubscribed:?} after the \
          spike; waiter admitted {wake:?} after the release; {transient} waits ended \
@@ -624,10 +618,7 @@ async fn a_waiter_is_still_woken_by_events_after_a_debug_sleep_replaced_the_conn
         holder_redis.connection_rebuilds(),
         waiter_redis.connection_rebuilds()
     );
-    assert!(
-        wake < Duration::from_millis(1500),
-        "waiter woke {wake:?} after the release: by its poll, not by the event"
-    );
+    assert_woken_by_the_event(wake);
     acquired.release().await.unwrap();
 }
 
