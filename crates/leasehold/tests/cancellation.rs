@@ -23,6 +23,17 @@ use rand::Rng;
 /// only gets its slot from a poll takes seconds, which the bounds below tell apart.
 const NO_POLL: Duration = Duration::from_secs(10);
 
+/// A quota of `f` woken by releases, not by polls ([`NO_POLL`]), warmed up.
+async fn release_woken_quota(f: &Fixture, limit: u64, ttl: Duration) -> Quota {
+    let quota = f
+        .builder(limit, ttl)
+        .poll_interval(NO_POLL)
+        .build()
+        .unwrap();
+    common::warm_up(&quota).await;
+    quota
+}
+
 /// Awaits `fut`, failing the test after `within`.
 async fn within<T>(within: Duration, what: &str, fut: impl std::future::Future<Output = T>) -> T {
     match tokio::time::timeout(within, fut).await {
@@ -181,12 +192,7 @@ async fn cancel_one(quota: Quota, id: String, how: GiveUp, after: Duration) -> O
 /// mixed with leases held for random times, so that the quota is often full and waiters queue.
 async fn acquires_given_up_at_random_points_leave_nothing_behind(f: Fixture) {
     const LIMIT: usize = 3;
-    let quota = f
-        .builder(LIMIT as u64, Duration::from_secs(10))
-        .poll_interval(NO_POLL)
-        .build()
-        .unwrap();
-    common::warm_up(&quota).await;
+    let quota = release_woken_quota(&f, LIMIT as u64, Duration::from_secs(10)).await;
     let stop_at = Instant::now() + Duration::from_millis(2500);
     let (mut rounds, mut won, mut given_up) = (0, 0, 0);
     let mut kept: Vec<Lease> = Vec::new();
@@ -244,12 +250,7 @@ async fn acquires_given_up_at_random_points_leave_nothing_behind(f: Fixture) {
 /// (same fencing token) a moment later, and it goes once the lease is dropped.
 async fn retries_of_one_task_given_up_never_lose_the_lease_they_return(f: Fixture) {
     const LIMIT: usize = 2;
-    let quota = f
-        .builder(LIMIT as u64, Duration::from_secs(10))
-        .poll_interval(NO_POLL)
-        .build()
-        .unwrap();
-    common::warm_up(&quota).await;
+    let quota = release_woken_quota(&f, LIMIT as u64, Duration::from_secs(10)).await;
     let stop_at = Instant::now() + Duration::from_millis(2500);
     let (mut tries, mut won) = (0, 0);
     while tries < 200 && Instant::now() < stop_at {
@@ -411,12 +412,7 @@ async fn a_waiter_cancelled_as_it_is_woken_passes_the_slot_on(f: Fixture) {
 /// from several tasks at the same time: every `release` succeeds, every `lost` resolves with
 /// `Released`, and the slot is freed once.
 async fn release_raced_with_lost_and_drops(f: Fixture) {
-    let quota = f
-        .builder(1, Duration::from_secs(10))
-        .poll_interval(NO_POLL)
-        .build()
-        .unwrap();
-    common::warm_up(&quota).await;
+    let quota = release_woken_quota(&f, 1, Duration::from_secs(10)).await;
     for round in 0..30 {
         let lease = quota.try_acquire(&format!("t{round}")).await.unwrap();
         let mut losts = Vec::new();
@@ -464,11 +460,10 @@ async fn release_raced_with_lost_and_drops(f: Fixture) {
 /// every task awaiting its `lost()` hears it, and its own later release is harmless.
 async fn lost_awaited_by_many_tasks_hears_a_release_elsewhere(f: Fixture) {
     let ttl = Duration::from_secs(2);
-    let quota = f.builder(2, ttl).poll_interval(NO_POLL).build().unwrap();
+    let quota = release_woken_quota(&f, 2, ttl).await;
     let operator = common::quota_with(f.second_client().await, &f.name, 2, ttl)
         .build()
         .unwrap();
-    common::warm_up(&quota).await;
     let lease = quota.try_acquire("t").await.unwrap();
     let losts: Vec<_> = (0..16)
         .map(|_| {
@@ -945,13 +940,13 @@ fn main_returning_with_live_leases() {
 async fn the_waiter_promoted_when_the_head_is_cancelled_takes_the_slot_at_the_expiry() {
     for f in [Fixture::memory().await, Fixture::redis().await] {
         let ttl = Duration::from_millis(2000);
-        let quota = f.builder(1, ttl).poll_interval(NO_POLL).build().unwrap();
-        common::warm_up(&quota).await;
+        let quota = release_woken_quota(&f, 1, ttl).await;
         let crashed = quota.try_acquire("crashed").await.unwrap();
         let expires = Instant::now() + ttl;
-        crashed.abandon(); // its slot comes back only when its deadline passes
-                           // The line behind the head polls one ttl after `next` joins (the poll interval is
-                           // longer): about 900 ms after the expiry, which the bound below tells apart.
+        // Its slot comes back only when its deadline passes.
+        crashed.abandon();
+        // The line behind the head polls one ttl after `next` joins (the poll interval is
+        // longer): about 900 ms after the expiry, which the bound below tells apart.
         tokio::time::sleep(Duration::from_millis(800)).await;
         let head = tokio::spawn({
             let quota = quota.clone();

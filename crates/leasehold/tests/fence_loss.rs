@@ -54,6 +54,15 @@ fn quarantine_once(server: &RedisServer, q: &str) {
     std::thread::sleep(Duration::from_millis(200));
 }
 
+/// Admits `a` to `d` (tokens 1 to 4) on a new quota `q`, ends a stale caller's quarantine, then
+/// deletes the fence: the holders stay. Returns the epoch id.
+fn four_holders_and_a_lost_fence_after_a_quarantine(server: &RedisServer, q: &str) -> String {
+    let epoch = admit(server, q, &["a", "b", "c", "d"]);
+    quarantine_once(server, q);
+    server.command(&["DEL", &key(q, "fence")]);
+    epoch
+}
+
 #[test]
 fn a_current_acquire_goes_on_above_the_holders_when_the_fence_and_leases_are_gone() {
     let server = RedisServer::start();
@@ -75,9 +84,7 @@ fn a_current_acquire_goes_on_above_the_holders_when_the_fence_and_leases_are_gon
 fn a_stale_acquire_that_saw_fewer_tokens_goes_on_above_the_holders() {
     let server = RedisServer::start();
     let q = "stale-acquire";
-    admit(&server, q, &["a", "b", "c", "d"]);
-    quarantine_once(&server, q);
-    server.command(&["DEL", &key(q, "fence")]);
+    four_holders_and_a_lost_fence_after_a_quarantine(&server, q);
     // A stale caller that saw tokens up to 2 only.
     let reply = run(
         &server,
@@ -86,7 +93,7 @@ fn a_stale_acquire_that_saw_fewer_tokens_goes_on_above_the_holders() {
     assert_eq!(
         admitted_token(&reply),
         5,
-        "holders c and d hold tokens 3 and 4"
+        "holders a to d hold tokens 1 to 4"
     );
 }
 
@@ -94,9 +101,7 @@ fn a_stale_acquire_that_saw_fewer_tokens_goes_on_above_the_holders() {
 fn a_stale_renewal_that_saw_fewer_tokens_leaves_the_fence_above_the_holders() {
     let server = RedisServer::start();
     let q = "stale-renew";
-    let epoch = admit(&server, q, &["a", "b", "c", "d"]);
-    quarantine_once(&server, q);
-    server.command(&["DEL", &key(q, "fence")]);
+    let epoch = four_holders_and_a_lost_fence_after_a_quarantine(&server, q);
     let renewed = run(
         &server,
         &renew_args(q, ["10000", "1.1", "0", "2"], &["b", "2"]),
