@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod counting;
+pub mod processes;
 pub mod proxied;
 pub mod scripts;
 pub mod switchable;
