@@ -3,9 +3,9 @@
 //!
 //! ```text
 //! worker hammer URL QUOTA LIMIT TTL_MS RUN_MS HOLD_US
-//!     acquire, hold HOLD_US, release, again, for RUN_MS; prints "hold START_NS END_NS" per
-//!     cycle, in CLOCK_MONOTONIC nanoseconds (comparable across processes on one machine):
-//!     START after the lease was granted, END before it is released.
+//!     acquire, hold HOLD_US, release, again, for RUN_MS; prints "hold START_NS END_NS TOKEN"
+//!     per cycle, in CLOCK_MONOTONIC nanoseconds (comparable across processes on one machine):
+//!     START after the lease was granted, END before it is released; TOKEN its fencing token.
 //! worker try URL QUOTA LIMIT TTL_MS TASK_ID
 //!     one admission attempt; prints "acquired TOKEN" or "full".
 //! worker drop URL QUOTA LIMIT TTL_MS TASK_ID FLUSH
@@ -79,8 +79,9 @@ async fn main() -> Result<(), Error> {
                 let start = monotonic_ns();
                 tokio::time::sleep(hold).await;
                 let stop = monotonic_ns();
+                let token = lease.fencing_token();
                 lease.release().await?;
-                println!("hold {start} {stop}");
+                println!("hold {start} {stop} {token}");
                 i += 1;
             }
         }
