@@ -139,6 +139,16 @@ fn is_hello_unknown(e: &RedisError, text: &str) -> bool {
         || (text.contains("unknown command") && text.contains("HELLO"))
 }
 
+/// True for the refusals that only a connection's handshake meets: refused credentials, a
+/// refused SELECT of the URL's database (whatever the reason: an ACL without `+select`, a busy
+/// script, too few databases), and a HELLO the server does not know. leasehold sends neither
+/// AUTH, SELECT nor HELLO in calls of its own. redis-rs keeps such a failed connection until
+/// an I/O error, which never comes, so the backend rebuilds it (`Link::handshake_failed`).
+pub(super) fn refused_at_handshake(e: &RedisError) -> bool {
+    let text = e.to_string();
+    is_auth_refusal(e, &text) || text.contains(SELECT_REFUSED) || is_hello_unknown(e, &text)
+}
+
 impl RedisBackend {
     /// Names the keys of `quota` that hold another type than the protocol's, for an operator
     /// who was told WRONGTYPE by a script (which does not say which key). Off the hot path: runs
