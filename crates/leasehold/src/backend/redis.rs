@@ -34,7 +34,7 @@ use self::connection::{
     tcp_settings,
 };
 use self::epochs::SeenEpoch;
-use self::errors::{map_error, one_line};
+use self::errors::{map_error, one_line, refused_at_handshake};
 use self::link::{Link, Next};
 use self::replies::{int, text, versioned_limit};
 use super::batch::Batcher;
@@ -361,24 +361,24 @@ impl RedisBackend {
                 }
             }
         }
-        let error = match result {
+        let (handshake, error) = match result {
             Ok(Ok(value)) => return Ok(value),
-            Ok(Err(e)) => map_error(e, quota),
+            Ok(Err(e)) => (refused_at_handshake(&e), map_error(e, quota)),
             Err(_) => {
                 return Err(Error::BackendUnavailable(format!(
                     "no reply from redis within {timeout:?}"
                 )))
             }
         };
-        match error {
-            // Refused credentials can only come from the connection's handshake, and redis-rs
-            // reconnects only after I/O errors: without a rebuild the refusal would stick.
-            Error::Misconfigured(Misconfiguration::Auth(_)) => {
-                if let Next::Rebuild = self.inner.link.handshake_failed(ticket) {
-                    runtime::spawn(rebuild(self.inner.clone(), "refused at its handshake"));
-                }
-                Err(error)
+        // A refusal only a handshake meets (credentials, the URL's database, HELLO) is the
+        // connection's, and redis-rs reconnects only after I/O errors: without a rebuild it
+        // would answer every call until the process restarts, even once the cause is gone.
+        if handshake {
+            if let Next::Rebuild = self.inner.link.handshake_failed(ticket) {
+                runtime::spawn(rebuild(self.inner.clone(), "refused at its handshake"));
             }
+        }
+        match error {
             Error::Misconfigured(Misconfiguration::WrongType { quota, detail }) => {
                 let detail = match self.wrong_typed_keys(&quota, started + timeout).await {
                     Some(wrong) => format!("{wrong} ({detail})"),

@@ -59,11 +59,7 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
     {
         return Misconfiguration::NoPermission(text).into();
     }
-    if matches!(code, "NOAUTH" | "WRONGPASS")
-        || text.contains("WRONGPASS")
-        || text.contains("NOAUTH")
-        || e.kind() == ErrorKind::AuthenticationFailed
-    {
+    if is_auth_refusal(&e, &text) {
         // Redis words a missing password in protocol terms (HELLO AUTH); say where it goes.
         if text.contains("NOAUTH") {
             return Misconfiguration::Auth(format!(
@@ -73,6 +69,13 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
             .into();
         }
         return Misconfiguration::Auth(text).into();
+    }
+    if is_hello_unknown(&e, &text) {
+        return Misconfiguration::Protocol(format!(
+            "the server does not know HELLO, so speaks no RESP3: leasehold needs Redis 7.0 or \
+             later, or Valkey ({text})"
+        ))
+        .into();
     }
     if SERVER_BUSY_CODES.contains(&code) {
         // Checked before the script case: Redis reports these with the script's name when a
@@ -87,8 +90,19 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
     if text.contains("invalid peer certificate") || text.contains("certificate verify failed") {
         return Misconfiguration::Tls(text).into();
     }
-    if text.contains("DB index is out of range") || text.contains("refused to switch database") {
-        // The URL's database number does not exist on this server: no retry can help.
+    if text.contains(SELECT_REFUSED) {
+        // The handshake's SELECT of the URL's database. redis-rs keeps the server's text but not
+        // its code, so the reason is read from the text.
+        if text.contains("has no permissions to run") {
+            // NOPERM: an ACL user without `+select`.
+            return Misconfiguration::NoPermission(text).into();
+        }
+        if text.contains("is busy running") {
+            // BUSY: another client's script ran past `busy-reply-threshold`; it ends or is killed.
+            return Error::BackendUnavailable(format!("the server refuses for now (BUSY): {text}"));
+        }
+        // The URL's database number does not exist on this server (`DB index is out of range`),
+        // or the server takes no SELECT (a Cluster node): no retry can help.
         return Misconfiguration::InvalidUrl(text).into();
     }
     match e.kind() {
@@ -105,6 +119,34 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         .into(),
         _ => Error::BackendUnavailable(text),
     }
+}
+
+/// How redis-rs words a refused SELECT of the URL's database, the only SELECT sent.
+const SELECT_REFUSED: &str = "refused to switch database";
+
+/// Refused credentials: NOAUTH, WRONGPASS, or redis-rs's own authentication failure.
+fn is_auth_refusal(e: &RedisError, text: &str) -> bool {
+    matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+        || text.contains("WRONGPASS")
+        || text.contains("NOAUTH")
+        || e.kind() == ErrorKind::AuthenticationFailed
+}
+
+/// The server answered the handshake's `HELLO 3` with "unknown command" (Redis before 6, or
+/// HELLO renamed away). redis-rs recognizes only the backquoted wording of Redis 5.
+fn is_hello_unknown(e: &RedisError, text: &str) -> bool {
+    e.kind() == ErrorKind::RESP3NotSupported
+        || (text.contains("unknown command") && text.contains("HELLO"))
+}
+
+/// True for the refusals that only a connection's handshake meets: refused credentials, a
+/// refused SELECT of the URL's database (whatever the reason: an ACL without `+select`, a busy
+/// script, too few databases), and a HELLO the server does not know. leasehold sends neither
+/// AUTH, SELECT nor HELLO in calls of its own. redis-rs keeps such a failed connection until
+/// an I/O error, which never comes, so the backend rebuilds it (`Link::handshake_failed`).
+pub(super) fn refused_at_handshake(e: &RedisError) -> bool {
+    let text = e.to_string();
+    is_auth_refusal(e, &text) || text.contains(SELECT_REFUSED) || is_hello_unknown(e, &text)
 }
 
 impl RedisBackend {

@@ -159,10 +159,11 @@ impl<C: Clone> Link<C> {
         self.rebuild_if_spaced(&mut state, now)
     }
 
-    /// A call on the current connection failed in its handshake (refused credentials): redis-rs
-    /// starts a new connection attempt only after an I/O error, so without a rebuild this
-    /// connection would fail every call until the process restarts, even once an operator fixed
-    /// the cause. Rebuilds are spaced as for timeouts.
+    /// A call on the current connection failed in its handshake (refused credentials, a refused
+    /// SELECT of the URL's database, an unknown HELLO: `refused_at_handshake` in `errors.rs`):
+    /// redis-rs starts a new connection attempt only after an I/O error, so without a rebuild
+    /// this connection would fail every call until the process restarts, even once an operator
+    /// fixed the cause. Rebuilds are spaced as for timeouts.
     pub(super) fn handshake_failed(&self, ticket: Ticket) -> Next {
         let mut state = self.lock();
         if ticket.generation != state.generation {
