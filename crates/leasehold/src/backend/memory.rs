@@ -159,6 +159,19 @@ impl MemoryBackend {
         }
     }
 
+    /// How many entries this backend stores right now, for leak tests. Not part of the API.
+    #[doc(hidden)]
+    pub fn debug_sizes(&self) -> crate::debug::MemorySizes {
+        let quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+        crate::debug::MemorySizes {
+            quotas: quotas.len(),
+            // One per quota, for good.
+            event_channels: quotas.len(),
+            leases: quotas.values().map(|q| q.leases.len()).sum(),
+            cancel_markers: quotas.values().map(|q| q.cancelled.len()).sum(),
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.epoch_ms + self.started.elapsed().as_millis() as u64
     }
