@@ -81,6 +81,11 @@ impl Admissions {
             .unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Releases that got no answer, by task id (see `Quota::debug_sizes`).
+    pub(crate) fn unanswered_len(&self) -> usize {
+        self.unanswered().len()
+    }
+
     /// The release of `task_id`'s admission `token` got no answer (a timeout, a lost
     /// connection): it may have been lost, or may still reach the backend late, from a
     /// connection that was replaced meanwhile. Its lease lives until `until` at the latest.
@@ -119,6 +124,11 @@ fn known() -> MutexGuard<'static, Known> {
         .get_or_init(Mutex::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Entries of the process-wide map of admissions: live quotas, and dropped ones not pruned yet.
+pub(crate) fn known_len() -> usize {
+    known().len()
 }
 
 pub(crate) fn of(backend: &Arc<dyn Backend>, keys: &QuotaKeys) -> Arc<Admissions> {

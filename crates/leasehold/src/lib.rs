@@ -38,6 +38,8 @@ mod admissions;
 pub mod backend;
 mod breaker;
 mod config;
+#[doc(hidden)]
+pub mod debug;
 mod error;
 mod events;
 mod heartbeat;

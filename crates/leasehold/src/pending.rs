@@ -27,6 +27,11 @@ impl Pending {
         PendingWork(self.clone())
     }
 
+    /// Work under way now (see `Quota::debug_sizes`).
+    pub(crate) fn count(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
     /// Resolves once no work is under way.
     pub(crate) async fn finished(&self) {
         loop {

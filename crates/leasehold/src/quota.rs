@@ -430,6 +430,23 @@ impl Quota {
             .await
     }
 
+    /// How many entries this process keeps for the quota right now, for leak tests. Not part
+    /// of the API.
+    #[doc(hidden)]
+    pub fn debug_sizes(&self) -> crate::debug::QuotaSizes {
+        let admissions = &self.shared.admissions;
+        crate::debug::QuotaSizes {
+            registry: admissions.registry().len(),
+            local: admissions.local().len(),
+            attempts: admissions.attempts().len(),
+            turns: admissions.turns.tracked(),
+            unanswered_releases: admissions.unanswered_len(),
+            waiters: self.shared.waiters.len(),
+            pending_work: admissions.pending.count(),
+            known_quotas: admissions::known_len(),
+        }
+    }
+
     fn full(&self, cause: FullCause) -> Error {
         Error::Full {
             quota: self.name().to_owned(),

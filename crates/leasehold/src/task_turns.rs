@@ -50,8 +50,8 @@ impl TaskTurns {
         turn
     }
 
-    #[cfg(test)]
-    fn tracked(&self) -> usize {
+    /// Task ids with a turn taken or waited for (see `Quota::debug_sizes`).
+    pub(crate) fn tracked(&self) -> usize {
         self.locks.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }

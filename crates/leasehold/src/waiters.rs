@@ -111,6 +111,11 @@ impl WaitQueue {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Waiters in the queue (see `Quota::debug_sizes`).
+    pub(crate) fn len(&self) -> usize {
+        self.lock().len()
+    }
+
     /// Records when the earliest lease expires (from a full reply).
     pub(crate) fn note_expiry(&self, at: Instant) {
         *self.next_expiry.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);

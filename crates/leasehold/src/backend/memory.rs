@@ -26,6 +26,13 @@ pub struct MemoryBackend {
     epoch_ms: u64,
     started: Instant,
     quotas: Mutex<HashMap<String, QuotaState>>,
+    /// Quota name -> sender of that quota's events, while some handle may listen. Apart from the
+    /// quotas' state, which is kept for good (as Redis keeps a quota's fence, limit and epoch):
+    /// each channel holds a buffer of [`EVENT_CAPACITY`] events (about 70 kB), which quota
+    /// names that come and go (one per tenant) would otherwise keep for the backend's life, that
+    /// of the process for the embedded one. Let go when nobody listens (see `subscribe`), as
+    /// the Redis backend lets go of its subscriptions. Locked after `quotas` when both are.
+    channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
 }
 
 /// Epochs, as the Redis protocol keeps them: the store's (lost with the data) and the one its
@@ -76,7 +83,6 @@ struct QuotaState {
     epochs: Epochs,
     /// The stored limit, as the Redis protocol keeps it in its `limit` key.
     limit: Option<VersionedLimit>,
-    events: broadcast::Sender<QuotaEvent>,
 }
 
 impl QuotaState {
@@ -142,6 +148,7 @@ impl MemoryBackend {
             epoch_ms,
             started: Instant::now(),
             quotas: Mutex::new(HashMap::new()),
+            channels: Mutex::new(HashMap::new()),
         }
     }
 
@@ -159,6 +166,31 @@ impl MemoryBackend {
         }
     }
 
+    /// How many entries this backend stores right now, for leak tests. Not part of the API.
+    #[doc(hidden)]
+    pub fn debug_sizes(&self) -> crate::debug::MemorySizes {
+        let quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+        crate::debug::MemorySizes {
+            quotas: quotas.len(),
+            event_channels: self.channels().len(),
+            leases: quotas.values().map(|q| q.leases.len()).sum(),
+            cancel_markers: quotas.values().map(|q| q.cancelled.len()).sum(),
+        }
+    }
+
+    fn channels(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, broadcast::Sender<QuotaEvent>>> {
+        self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Announces `event` to the quota's listeners, if any.
+    fn announce(&self, name: &str, event: QuotaEvent) {
+        if let Some(sender) = self.channels().get(name) {
+            let _ = sender.send(event);
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.epoch_ms + self.started.elapsed().as_millis() as u64
     }
@@ -171,7 +203,6 @@ impl MemoryBackend {
             cancelled: HashMap::new(),
             epochs: Epochs::default(),
             limit: None,
-            events: broadcast::channel(EVENT_CAPACITY).0,
         });
         let now = self.now_ms();
         f(state, now)
@@ -344,10 +375,13 @@ impl Backend for MemoryBackend {
             // Every release is announced: an in-process event costs nothing, where the Redis
             // backend announces only while someone waits (PROTOCOL.md §5.4). Events are hints
             // either way; renewals report the same facts.
-            let _ = q.events.send(QuotaEvent::Released {
-                task_id: task_id.to_owned(),
-                token,
-            });
+            self.announce(
+                &keys.name,
+                QuotaEvent::Released {
+                    task_id: task_id.to_owned(),
+                    token,
+                },
+            );
             true
         }))
     }
@@ -363,10 +397,13 @@ impl Backend for MemoryBackend {
             let expires = now.saturating_add(marker_ttl.as_millis().try_into().unwrap_or(u64::MAX));
             q.cancelled
                 .insert(task_id.to_owned(), (reason.to_owned(), expires));
-            let _ = q.events.send(QuotaEvent::Cancelled {
-                task_id: task_id.to_owned(),
-                reason: reason.to_owned(),
-            });
+            self.announce(
+                &keys.name,
+                QuotaEvent::Cancelled {
+                    task_id: task_id.to_owned(),
+                    reason: reason.to_owned(),
+                },
+            );
             q.leases.get(task_id).is_some_and(|s| s.deadline_ms > now)
         }))
     }
@@ -394,6 +431,15 @@ impl Backend for MemoryBackend {
     }
 
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
-        Ok(self.with_quota(&keys.name, |q, _| q.events.subscribe()))
+        let mut channels = self.channels();
+        if let Some(sender) = channels.get(&keys.name) {
+            return Ok(sender.subscribe());
+        }
+        // Channels nobody listens to any more (every handle of their quota was dropped) go now,
+        // with their buffers: a quota that listens again gets a new one.
+        channels.retain(|_, sender| sender.receiver_count() > 0);
+        let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
+        channels.insert(keys.name.clone(), sender);
+        Ok(receiver)
     }
 }

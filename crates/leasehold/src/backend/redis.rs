@@ -314,6 +314,21 @@ impl RedisBackend {
         self.inner.link.rebuilds()
     }
 
+    /// How many entries this backend keeps per quota name right now, for leak tests. Not part
+    /// of the API.
+    #[doc(hidden)]
+    pub fn debug_sizes(&self) -> crate::debug::RedisSizes {
+        fn len<V>(map: &Mutex<HashMap<String, V>>) -> usize {
+            map.lock().unwrap_or_else(|e| e.into_inner()).len()
+        }
+        crate::debug::RedisSizes {
+            channels: len(&self.inner.channels),
+            epochs: len(&self.inner.epochs),
+            acquire_queues: len(&self.inner.acquires),
+            release_queues: len(&self.inner.releases),
+        }
+    }
+
     /// Runs `call` on the current connection with the call timeout, mapping errors for the
     /// quota `quota`; its outcome feeds the wedge detection.
     ///
