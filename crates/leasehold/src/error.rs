@@ -243,9 +243,12 @@ pub enum Error {
         quota: String,
         /// How long the caller waited.
         waited: Duration,
-        /// Whether an attempt of the wait was answered (each time: no slot). `false` when none
-        /// was answered in time: the backend was slow or stalled (a wait shorter than a call
-        /// timeout ends before a stalled backend's call fails), and the quota may not be full.
+        /// Whether the backend answered an attempt of the wait (each time: no slot for this
+        /// caller): the caller's own, or one of the waiters ahead of it in the same handle's
+        /// line, which alone attempt while it waits behind them. `false` when none was answered
+        /// in time: the backend was slow or stalled (a wait shorter than a call timeout ends
+        /// before a stalled backend's call fails), or the wait was too short for any answer (a
+        /// zero timeout); the quota may not be full.
         answered: bool,
     },
     /// The lease is no longer held.
@@ -288,7 +291,7 @@ fn timed_out(quota: &str, waited: &Duration, answered: bool) -> String {
         true => format!("no slot in quota {quota:?} within {waited:?}"),
         false => format!(
             "no answer for quota {quota:?} within {waited:?}: the backend is slow or \
-             unreachable (the quota may not be full)"
+             unreachable, or the wait was too short for an answer (the quota may not be full)"
         ),
     }
 }

@@ -1,6 +1,6 @@
 //! [`Quota`]: a handle to one named, fleet-wide concurrency quota.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -98,6 +98,10 @@ pub(crate) struct Shared {
     /// Wakes the renewal task for a new lease whose local deadline comes first.
     pub(crate) alarm: Arc<heartbeat::Alarm>,
     pub(crate) breaker: Breaker,
+    /// Acquire calls of this handle (and its clones) the backend answered: a waiter that runs
+    /// out of time behind others, without an answer of its own, learns from theirs that the
+    /// backend answers and the quota is full (`Error::TimedOut::answered`).
+    pub(crate) acquire_answers: AtomicU64,
 }
 
 impl Quota {
@@ -120,6 +124,7 @@ impl Quota {
             shutdown: CancellationToken::new(),
             alarm: Arc::default(),
             breaker: Breaker::new(config.breaker),
+            acquire_answers: AtomicU64::new(0),
             config,
         });
         heartbeat::start(&shared);
@@ -210,9 +215,10 @@ impl Quota {
     }
 
     /// Like [`acquire`](Self::acquire), but gives up after `timeout` with [`Error::TimedOut`],
-    /// whose `answered` tells a full quota (an attempt was answered: no slot) from a backend that
-    /// answered no attempt in time (a stalled one, when `timeout` is shorter than a call
-    /// timeout).
+    /// whose `answered` tells a full quota (an attempt of the wait was answered: no slot) from a
+    /// backend that answered no attempt in time (a stalled one, when `timeout` is shorter than a
+    /// call timeout). A zero `timeout` leaves no time for an answer: for one attempt, use
+    /// [`try_acquire`](Self::try_acquire).
     /// Like `acquire`, it needs a Tokio runtime with its timer enabled.
     /// An attempt still in flight at that moment is not lost: if its late reply admits the task,
     /// the slot is released in the background. A task that holds a lease in this process gets
@@ -222,6 +228,7 @@ impl Quota {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
         let answered = AtomicBool::new(false);
+        let answers_before = self.shared.acquire_answers.load(Ordering::Acquire);
         match tokio::time::timeout(timeout, self.wait_for_slot(task_id, &answered)).await {
             Ok(result) => result,
             Err(_) => match self.shared.held_lease_of(task_id) {
@@ -229,7 +236,10 @@ impl Quota {
                 None => Err(Error::TimedOut {
                     quota: self.name().to_owned(),
                     waited: timeout,
-                    answered: answered.load(Ordering::Relaxed),
+                    // This waiter's own attempts, or those of the waiters ahead of it (which
+                    // alone attempt while it waits in line) were answered: no slot.
+                    answered: answered.load(Ordering::Relaxed)
+                        || self.shared.acquire_answers.load(Ordering::Acquire) > answers_before,
                 }),
             },
         }

@@ -2,9 +2,10 @@
 //! answer at all (a stalled backend, when the wait is shorter than a call timeout). An operator
 //! who reads "no slot" raises the limit; that must only happen when the quota is full.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold::{Error, Quota, RedisBackend, RedisOptions};
+use leasehold::{Backend, Error, MemoryBackend, Quota, RedisBackend, RedisOptions};
 use leasehold_testkit::RedisServer;
 
 #[tokio::test]
@@ -59,4 +60,49 @@ async fn a_wait_that_runs_out_tells_a_full_quota_from_a_stalled_backend() {
         .acquire_timeout("another", Duration::from_secs(5))
         .await;
     assert!(later.is_ok(), "{later:?}");
+}
+
+/// Only the head of a handle's line of waiters attempts; the others wait behind it, polling
+/// rarely. A waiter that runs out of time there without an answer of its own still says "no
+/// slot" when the backend answered the attempts of those ahead (before, two of three such
+/// waiters said "no answer ... the backend is slow or unreachable" of a healthy backend).
+#[tokio::test]
+async fn waiters_in_line_that_run_out_say_no_slot_when_those_ahead_were_answered() {
+    let server = RedisServer::start();
+    let backends: Vec<(&str, Arc<dyn Backend>)> = vec![
+        ("memory", Arc::new(MemoryBackend::new())),
+        (
+            "redis",
+            Arc::new(RedisBackend::connect(&server.url()).await.unwrap()),
+        ),
+    ];
+    for (name, backend) in backends {
+        let quota = Quota::builder("line")
+            .shared_backend(backend)
+            .limit(1)
+            .ttl(Duration::from_secs(30))
+            .build()
+            .unwrap();
+        let holder = quota.try_acquire("holder").await.unwrap();
+        let mut waiters = Vec::new();
+        for i in 0..3 {
+            let quota = quota.clone();
+            waiters.push(tokio::spawn(async move {
+                quota
+                    .acquire_timeout(&format!("waiter-{i}"), Duration::from_secs(1))
+                    .await
+            }));
+            tokio::time::sleep(Duration::from_millis(20)).await; // in this order
+        }
+        for (i, waiter) in waiters.into_iter().enumerate() {
+            match waiter.await.unwrap() {
+                Err(e @ Error::TimedOut { answered, .. }) => {
+                    assert!(answered, "{name}, waiter {i}: {e}");
+                    assert!(e.to_string().starts_with("no slot in quota"), "{e}");
+                }
+                other => panic!("{name}, waiter {i}: expected a timeout: {other:?}"),
+            }
+        }
+        holder.release().await.unwrap();
+    }
 }
