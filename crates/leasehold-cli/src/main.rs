@@ -208,6 +208,10 @@ async fn dispatch(cli: Cli) -> Result<i32, Failure> {
                         higher_version(stored.version, &key)
                     ),
                 )),
+                other => Err(Failure::new(
+                    exit::SOFTWARE,
+                    format!("unexpected answer of this library version: {other:?}"),
+                )),
             }
         }
         Command::Release(args) => {

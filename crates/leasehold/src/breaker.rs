@@ -8,6 +8,7 @@ use rand::Rng;
 
 /// The circuit's state, as [`Quota::breaker_mode`](crate::Quota::breaker_mode) reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BreakerMode {
     /// Calls go to the backend.
     Closed,

@@ -24,12 +24,17 @@ static EMBEDDED: LazyLock<Arc<MemoryBackend>> = LazyLock::new(|| Arc::new(Memory
 
 /// What a quota answers when the backend cannot (errors, timeouts, an open circuit).
 ///
+/// It applies to a built quota's calls. Building one on Redis needs a
+/// [`RedisBackend`](crate::RedisBackend), whose `connect` needs the server to answer once: a
+/// process that starts during an outage gets `BackendUnavailable` there, whatever the policy.
+///
 /// A lease granted without the backend ([`Lease::is_local`](crate::Lease::is_local)) lasts
 /// until it is released or dropped: it is not renewed, does not expire, and is not registered in
 /// the backend once it answers again. Until such leases end, the fleet may hold more than the
 /// limit; that is the price of admitting during an outage. A task that holds one keeps it (its
 /// acquire returns it) even after the backend is back, so it never takes a second slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum BackendDownPolicy {
     /// No admission without a positive answer from the backend: callers get
     /// [`Error::BackendUnavailable`](crate::Error::BackendUnavailable) at once. The default.

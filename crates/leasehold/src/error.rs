@@ -30,7 +30,9 @@ pub enum LostReason {
     /// keys, missing ACL rights. An operator must fix what the refusal names; the holder had to
     /// stop all the same. Each refusal is also logged at error level (`tracing`).
     RenewalRefused(Misconfiguration),
-    /// This process released the lease itself.
+    /// This process released the lease itself: through this handle, or another handle of the
+    /// same admission (a clone, or the lease an idempotent acquire of the same task id returned,
+    /// which is the same lease).
     Released,
 }
 
@@ -271,7 +273,15 @@ pub enum Error {
     BackendUnavailable(String),
     /// The configuration or input is wrong; retrying will not help.
     #[error("misconfigured: {0}")]
-    Misconfigured(#[from] Misconfiguration),
+    Misconfigured(Misconfiguration),
+}
+
+// By hand, not `#[from]`, which would also make the misconfiguration this error's `source()`:
+// its text is already in this one's, and error reporters print each source again.
+impl From<Misconfiguration> for Error {
+    fn from(misconfiguration: Misconfiguration) -> Self {
+        Error::Misconfigured(misconfiguration)
+    }
 }
 
 impl Error {
@@ -298,3 +308,26 @@ fn timed_out(quota: &str, waited: &Duration, answered: bool) -> String {
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error reporter that prints the chain (anyhow's `{:#}`, `tracing`'s error fields)
+    /// shows a misconfiguration's text once, not once per level.
+    #[test]
+    fn a_misconfiguration_is_told_once_in_the_error_chain() {
+        let error: Error = Misconfiguration::Protocol("a reply of the wrong shape".into()).into();
+        let mut chain = vec![error.to_string()];
+        let mut source = std::error::Error::source(&error);
+        while let Some(cause) = source {
+            chain.push(cause.to_string());
+            source = cause.source();
+        }
+        let told = chain
+            .iter()
+            .filter(|text| text.contains("a reply of the wrong shape"))
+            .count();
+        assert_eq!(told, 1, "{chain:?}");
+    }
+}

@@ -28,6 +28,9 @@ use crate::runtime;
 /// share one lease: it is released when the last of them is dropped, or at the first explicit
 /// `release`.
 ///
+/// A lease keeps being renewed after every [`Quota`](crate::Quota) handle it came from is
+/// dropped, until it is released or dropped itself.
+///
 /// A lease can be lost while held: await [`lost`](Lease::lost) (or watch
 /// [`lost_token`](Lease::lost_token)) beside the protected work and stop when it fires.
 #[derive(Clone)]

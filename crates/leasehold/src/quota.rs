@@ -294,6 +294,12 @@ impl Quota {
     /// [`Misconfiguration::LimitVersionTaken`]. This handle's own configured limit is not
     /// changed.
     ///
+    /// The stored limit lives only in Redis: if Redis loses it (a restart without persistence,
+    /// `FLUSHALL`, an eviction), the next acquire stores its caller's configured limit and
+    /// version again, and a lowering made here is undone without a word. Change the fleet's
+    /// configuration too, or set the limit again after such a loss
+    /// ([`Status::stored_limit`](crate::Status::stored_limit) shows what is stored).
+    ///
     /// Versions end at [`MAX_LIMIT_VERSION`](crate::MAX_LIMIT_VERSION): once a limit is stored
     /// there, `None` has no version to take and fails with
     /// [`Misconfiguration::LimitVersionsExhausted`] (nothing changed; unless the limit asked for

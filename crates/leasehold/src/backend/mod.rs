@@ -18,6 +18,7 @@ pub mod redis;
 
 /// The answer to one admission attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum AcquireReply {
     /// A new lease was admitted.
     Acquired(LeaseRecord),
@@ -84,6 +85,7 @@ pub struct VersionedLimit {
 
 /// What an operator's [`Backend::set_limit`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum LimitUpdate {
     /// The limit and version given replaced the stored ones (or none was stored).
     Stored(VersionedLimit),
@@ -100,6 +102,7 @@ pub enum LimitUpdate {
 
 /// What a renewal found for one lease.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RenewOutcome {
     /// Still held; the new deadline in backend milliseconds.
     Renewed {
@@ -145,6 +148,7 @@ pub struct Snapshot {
 /// Something that happened to a quota, as announced on its channel. Delivery is at most once:
 /// nothing that matters depends on receiving it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum QuotaEvent {
     /// A lease was removed by a release: a slot is free.
     Released {

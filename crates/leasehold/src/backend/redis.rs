@@ -194,6 +194,12 @@ impl RedisBackend {
     /// Connects to `url` with `options`. Fails with [`Error::BackendUnavailable`] when the server
     /// cannot be reached within the call timeout, and with [`Error::Misconfigured`] when the URL
     /// or the credentials are wrong.
+    ///
+    /// The server must answer once, here: a quota's
+    /// [`BackendDownPolicy`](crate::BackendDownPolicy) applies to the calls of a built quota,
+    /// not to this one. A worker that must start (and admit by `FailOpen` or `DegradeLocal`)
+    /// while Redis is down has to retry the connection itself meanwhile; once connected, the
+    /// backend reconnects by itself.
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self> {
         // rustls panics at the first TLS connect unless a process-wide provider is chosen.
         let _ = rustls::crypto::ring::default_provider().install_default();
