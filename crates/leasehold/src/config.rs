@@ -24,9 +24,11 @@ static EMBEDDED: LazyLock<Arc<MemoryBackend>> = LazyLock::new(|| Arc::new(Memory
 
 /// What a quota answers when the backend cannot (errors, timeouts, an open circuit).
 ///
-/// It applies to a built quota's calls. Building one on Redis needs a
-/// [`RedisBackend`](crate::RedisBackend), whose `connect` needs the server to answer once: a
-/// process that starts during an outage gets `BackendUnavailable` there, whatever the policy.
+/// It applies to a built quota's calls. [`RedisBackend::connect`](crate::RedisBackend::connect)
+/// needs the server to answer once, so a process that starts during an outage gets
+/// `BackendUnavailable` there, whatever the policy; one built on
+/// [`RedisBackend::connect_lazy`](crate::RedisBackend::connect_lazy) starts all the same, and its
+/// quotas answer by their policy until Redis does.
 ///
 /// A lease granted without the backend ([`Lease::is_local`](crate::Lease::is_local)) lasts
 /// until it is released or dropped: it is not renewed, does not expire, and is not registered in

@@ -30,8 +30,8 @@ mod link;
 mod replies;
 
 use self::connection::{
-    dispatch_pushes, keep_subscriptions_alive, new_manager, no_connection_within, probe, rebuild,
-    tcp_settings,
+    dispatch_pushes, keep_subscriptions_alive, new_lazy_manager, new_manager, no_connection_within,
+    probe, rebuild, tcp_settings,
 };
 use self::epochs::SeenEpoch;
 use self::errors::{map_error, one_line, refused_at_handshake};
@@ -198,35 +198,11 @@ impl RedisBackend {
     /// The server must answer once, here: a quota's
     /// [`BackendDownPolicy`](crate::BackendDownPolicy) applies to the calls of a built quota,
     /// not to this one. A worker that must start (and admit by `FailOpen` or `DegradeLocal`)
-    /// while Redis is down has to retry the connection itself meanwhile; once connected, the
-    /// backend reconnects by itself.
+    /// while Redis is down connects with [`connect_lazy`](Self::connect_lazy) instead. Once
+    /// connected, the backend reconnects by itself.
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self> {
-        // rustls panics at the first TLS connect unless a process-wide provider is chosen.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let info = url
-            .into_connection_info()
-            .map_err(|e| Misconfiguration::InvalidUrl(format!("{:?}: {e}", redacted(url))))?;
-        let db = info.redis_settings().db();
-        let settings = info
-            .redis_settings()
-            .clone()
-            .set_protocol(ProtocolVersion::RESP3);
-        let info = info
-            .set_redis_settings(settings)
-            .set_tcp_settings(tcp_settings(options.call_timeout));
-        let client = match &options.tls_root_cert {
-            None => redis::Client::open(info),
-            Some(ca) => redis::Client::build_with_tls(
-                info,
-                redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(ca.clone()),
-                },
-            ),
-        }
-        .map_err(|e| Misconfiguration::InvalidUrl(format!("{:?}: {e}", redacted(url))))?;
+        let (client, db) = client_for(url, &options)?;
         let timeout = options.call_timeout;
-        let connect_options = options.clone();
         runtime::run(async move {
             // One plain connection first, to tell what answers the handshake (a wrong password,
             // something else than Redis) before the manager is built.
@@ -243,22 +219,8 @@ impl RedisBackend {
                     _ => map_error(e, ""),
                 })?;
             let (push_tx, push_rx) = mpsc::unbounded_channel();
-            let conn = new_manager(&client, &connect_options, &push_tx).await?;
-            let inner = Arc::new(Inner {
-                link: Link::new(conn, connect_options.call_timeout),
-                client,
-                push_tx,
-                options: connect_options,
-                channels: Mutex::new(HashMap::new()),
-                db,
-                subscribing: tokio::sync::Mutex::new(()),
-                epochs: Mutex::new(HashMap::new()),
-                acquires: Mutex::new(HashMap::new()),
-                releases: Mutex::new(HashMap::new()),
-            });
-            tokio::spawn(dispatch_pushes(Arc::downgrade(&inner), push_rx));
-            tokio::spawn(keep_subscriptions_alive(Arc::downgrade(&inner)));
-            let backend = RedisBackend { inner };
+            let conn = new_manager(&client, &options, &push_tx).await?;
+            let backend = RedisBackend::assemble(conn, client, db, options, push_tx, push_rx);
             // Surface authentication and permission problems now, not at the first acquire.
             backend.call_raw(redis::cmd("PING")).await?;
             // Load every script now: a first renewal that has to go EVALSHA, NOSCRIPT, SCRIPT
@@ -287,6 +249,55 @@ impl RedisBackend {
             }
             other => other,
         })
+    }
+
+    /// Like [`connect_with`](Self::connect_with), without waiting for the server: checks the
+    /// URL and options, and returns at once. The connection is made by the first call, and made
+    /// again by later ones while the server cannot be reached; until then each call fails as
+    /// Redis being down does ([`Error::BackendUnavailable`], then the quotas' short-circuit),
+    /// so a quota's [`BackendDownPolicy`](crate::BackendDownPolicy) answers. For a worker that
+    /// must start, and admit by `FailOpen` or `DegradeLocal`, while Redis is down.
+    ///
+    /// What `connect_with` reports at once (refused credentials, something other than Redis
+    /// listening) comes with the first calls instead, and the scripts are loaded by the first
+    /// call of each (one more round trip).
+    pub async fn connect_lazy(url: &str, options: RedisOptions) -> Result<Self> {
+        let (client, db) = client_for(url, &options)?;
+        runtime::run(async move {
+            let (push_tx, push_rx) = mpsc::unbounded_channel();
+            let conn = new_lazy_manager(&client, &options, &push_tx)?;
+            Ok(RedisBackend::assemble(
+                conn, client, db, options, push_tx, push_rx,
+            ))
+        })
+        .await
+    }
+
+    /// The backend around its first connection `conn`, with its background tasks started (on
+    /// the leasehold runtime: call it there).
+    fn assemble(
+        conn: ConnectionManager,
+        client: redis::Client,
+        db: i64,
+        options: RedisOptions,
+        push_tx: mpsc::UnboundedSender<PushInfo>,
+        push_rx: mpsc::UnboundedReceiver<PushInfo>,
+    ) -> RedisBackend {
+        let inner = Arc::new(Inner {
+            link: Link::new(conn, options.call_timeout),
+            client,
+            push_tx,
+            options,
+            channels: Mutex::new(HashMap::new()),
+            db,
+            subscribing: tokio::sync::Mutex::new(()),
+            epochs: Mutex::new(HashMap::new()),
+            acquires: Mutex::new(HashMap::new()),
+            releases: Mutex::new(HashMap::new()),
+        });
+        tokio::spawn(dispatch_pushes(Arc::downgrade(&inner), push_rx));
+        tokio::spawn(keep_subscriptions_alive(Arc::downgrade(&inner)));
+        RedisBackend { inner }
     }
 
     /// Sends one raw command through the backend's connection, with the call timeout. Meant for
@@ -711,6 +722,36 @@ impl Backend for RedisBackend {
         })
         .await
     }
+}
+
+/// The client for `url` with `options` (RESP3, the TCP settings, the TLS root), and the URL's
+/// database number; no I/O.
+fn client_for(url: &str, options: &RedisOptions) -> Result<(redis::Client, i64)> {
+    // rustls panics at the first TLS connect unless a process-wide provider is chosen.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let info = url
+        .into_connection_info()
+        .map_err(|e| Misconfiguration::InvalidUrl(format!("{:?}: {e}", redacted(url))))?;
+    let db = info.redis_settings().db();
+    let settings = info
+        .redis_settings()
+        .clone()
+        .set_protocol(ProtocolVersion::RESP3);
+    let info = info
+        .set_redis_settings(settings)
+        .set_tcp_settings(tcp_settings(options.call_timeout));
+    let client = match &options.tls_root_cert {
+        None => redis::Client::open(info),
+        Some(ca) => redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(ca.clone()),
+            },
+        ),
+    }
+    .map_err(|e| Misconfiguration::InvalidUrl(format!("{:?}: {e}", redacted(url))))?;
+    Ok((client, db))
 }
 
 #[cfg(test)]

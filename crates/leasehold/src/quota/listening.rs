@@ -102,21 +102,28 @@ impl Shared {
     }
 
     /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
-    /// and the next call tries again.
+    /// and the next call, or the next answer of the backend, tries again (`SUBSCRIBE_RETRY`
+    /// after the failure).
     pub(super) async fn ensure_listening(self: &Arc<Self>) {
+        let failed_at = *self
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(wait) = failed_at.map(|at| SUBSCRIBE_RETRY.saturating_sub(at.elapsed())) {
+            // Waited out here rather than skipped: the call that asked may be the last for a
+            // while (a waiter that sleeps to a far expiry, a holder between renewals), and a
+            // subscription that stays missing leaves them to timers and polls.
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+        }
         if !self.config.events || self.listening.load(Ordering::Acquire) {
             return;
         }
         if self.breaker.mode() == BreakerMode::Open {
             // The policy answers at once while the circuit is open; subscribing would wait on
             // the unreachable backend first. A later acquire, or a waiter's next round, subscribes.
-            return;
-        }
-        let failed_at = *self
-            .subscribe_failed_at
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if failed_at.is_some_and(|at| at.elapsed() < SUBSCRIBE_RETRY) {
             return;
         }
         let subscribed = self.backend.subscribe(&self.keys).await;
@@ -148,13 +155,17 @@ impl Shared {
 
     /// Feeds the short-circuit with the outcome of a backend call. The first answer after an
     /// outage subscribes at once if the subscription is missing: cancels and releases are heard
-    /// again without waiting for a caller's next round.
+    /// again without waiting for a caller's next round. Other answers subscribe too while it is
+    /// missing (one that failed while the backend could not answer, a backend connected lazily
+    /// during an outage), after the spacing of attempts.
     pub(crate) fn record_backend_result<T>(self: &Arc<Self>, result: &Result<T>, sent: Instant) {
         match result {
             Err(Error::BackendUnavailable(_)) => self.breaker.failure(sent),
             _ => {
                 if self.breaker.success() {
                     self.listen_now();
+                } else {
+                    self.listen_in_background();
                 }
             }
         }

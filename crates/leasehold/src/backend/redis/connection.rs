@@ -42,20 +42,37 @@ pub(super) async fn new_manager(
     // waiter's poll or the keep-alive ping reconnects. The second attempt is for a server that
     // is going away as the first one connects (killed, restarting): that attempt ends in a
     // reset, which no call could tell from a command cut short, so none retries it.
-    let config = ConnectionManagerConfig::new()
+    tokio::time::timeout(
+        timeout,
+        ConnectionManager::new_with_config(client.clone(), manager_config(options, push_tx)),
+    )
+    .await
+    .map_err(|_| no_connection_within(timeout))?
+    .map_err(|e| map_error(e, ""))
+}
+
+/// A connection with the settings of [`new_manager`], made by its first call
+/// (`RedisBackend::connect_lazy`). Call it on the leasehold runtime, which runs its tasks.
+pub(super) fn new_lazy_manager(
+    client: &redis::Client,
+    options: &RedisOptions,
+    push_tx: &mpsc::UnboundedSender<PushInfo>,
+) -> Result<ConnectionManager> {
+    ConnectionManager::new_lazy_with_config(client.clone(), manager_config(options, push_tx))
+        .map_err(|e| map_error(e, ""))
+}
+
+fn manager_config(
+    options: &RedisOptions,
+    push_tx: &mpsc::UnboundedSender<PushInfo>,
+) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
         .set_number_of_retries(1)
         .set_min_delay(Duration::from_millis(50))
         .set_connection_timeout(Some(options.connect_timeout))
         .set_response_timeout(Some(options.call_timeout))
         .set_push_sender(push_tx.clone())
-        .set_automatic_resubscription();
-    tokio::time::timeout(
-        timeout,
-        ConnectionManager::new_with_config(client.clone(), config),
-    )
-    .await
-    .map_err(|_| no_connection_within(timeout))?
-    .map_err(|e| map_error(e, ""))
+        .set_automatic_resubscription()
 }
 
 /// Replaces a connection that stopped answering, or whose handshake was refused (see
