@@ -89,8 +89,13 @@ pub(crate) struct Shared {
     listening: AtomicBool,
     /// When the last subscription attempt failed, so that waiters retry it only now and then.
     subscribe_failed_at: Mutex<Option<Instant>>,
-    /// A subscription attempt started by a waiter is under way.
+    /// A subscription attempt is under way (or waits out the spacing after a failed one).
     subscribing: AtomicBool,
+    /// Wakes an attempt that waits out the spacing: the backend answers again after an outage.
+    subscribe_now: Arc<tokio::sync::Notify>,
+    /// The latest subscription attempt was refused (an ACL without the quota's channel), not
+    /// cut short by an outage: the backend's answers do not retry it.
+    subscribe_refused: AtomicBool,
     /// The task that keeps the subscription in place for local leases runs.
     watching_local: AtomicBool,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
@@ -98,9 +103,10 @@ pub(crate) struct Shared {
     /// Wakes the renewal task for a new lease whose local deadline comes first.
     pub(crate) alarm: Arc<heartbeat::Alarm>,
     pub(crate) breaker: Breaker,
-    /// Acquire calls of this handle (and its clones) the backend answered: a waiter that runs
-    /// out of time behind others, without an answer of its own, learns from theirs that the
-    /// backend answers and the quota is full (`Error::TimedOut::answered`).
+    /// Acquire calls of this handle (and its clones) the backend answered "no slot" (full or
+    /// quarantined): a waiter that runs out of time behind others, without an answer of its own,
+    /// learns from theirs that the backend answers and the quota is full
+    /// (`Error::TimedOut::answered`).
     pub(crate) acquire_answers: AtomicU64,
 }
 
@@ -120,6 +126,8 @@ impl Quota {
             listening: AtomicBool::new(false),
             subscribe_failed_at: Mutex::new(None),
             subscribing: AtomicBool::new(false),
+            subscribe_now: Arc::default(),
+            subscribe_refused: AtomicBool::new(false),
             watching_local: AtomicBool::new(false),
             shutdown: CancellationToken::new(),
             alarm: Arc::default(),
@@ -451,10 +459,15 @@ impl Quota {
     #[doc(hidden)]
     pub fn debug_sizes(&self) -> crate::debug::QuotaSizes {
         let admissions = &self.shared.admissions;
+        // One lock at a time: a guard left as a temporary of the literal below would be held
+        // until the end of the function, under the others.
+        let registry = admissions.registry().len();
+        let local = admissions.local().len();
+        let attempts = admissions.attempts().len();
         crate::debug::QuotaSizes {
-            registry: admissions.registry().len(),
-            local: admissions.local().len(),
-            attempts: admissions.attempts().len(),
+            registry,
+            local,
+            attempts,
             turns: admissions.turns.tracked(),
             unanswered_releases: admissions.unanswered_len(),
             waiters: self.shared.waiters.len(),

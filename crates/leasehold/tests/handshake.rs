@@ -173,3 +173,86 @@ async fn a_reconnection_to_a_server_without_hello_recovers_when_moved_back() {
     })
     .await;
 }
+
+/// A listener that answers every connection like a web server, not like Redis, and keeps it
+/// open; it stops when dropped (or after a minute).
+struct NotRedis {
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NotRedis {
+    fn start() -> NotRedis {
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let end = Instant::now() + Duration::from_secs(60);
+            let mut open = Vec::new();
+            while !stopped.load(Ordering::Acquire) && Instant::now() < end {
+                match listener.accept() {
+                    Ok((mut conn, _)) => {
+                        let _ = conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+                        open.push(conn);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        NotRedis {
+            port,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for NotRedis {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The connection moves to something that is not Redis (it answers HTTP), then back: calls
+/// fail as a broken connection meanwhile, and answer again once moved back. The answer that
+/// does not parse came to the reconnection's handshake, where redis-rs keeps it for every call;
+/// it stuck for good before such a connection was rebuilt.
+#[tokio::test]
+async fn a_reconnection_to_something_other_than_redis_recovers_when_moved_back() {
+    let good = RedisServer::start();
+    let not_redis = NotRedis::start();
+    let proxy = FaultProxy::start(good.port());
+    let backend = connect(&proxy.url()).await;
+    ping(&backend).await.unwrap();
+    proxy.set_upstream(not_redis.port);
+    refused(&backend, |e| matches!(e, Error::BackendUnavailable(_))).await;
+    proxy.set_upstream(good.port());
+    recovered(&backend, "the connection was moved back").await;
+}
+
+/// The same for a backend connected lazily whose first connection meets something other than
+/// Redis.
+#[tokio::test]
+async fn a_lazy_backend_whose_first_connection_is_not_to_redis_recovers_when_moved() {
+    let good = RedisServer::start();
+    let not_redis = NotRedis::start();
+    let proxy = FaultProxy::start(not_redis.port);
+    let options = RedisOptions {
+        call_timeout: CALL_TIMEOUT,
+        connect_timeout: CALL_TIMEOUT,
+        ..RedisOptions::default()
+    };
+    let backend = RedisBackend::connect_lazy(&proxy.url(), options)
+        .await
+        .unwrap();
+    refused(&backend, |e| matches!(e, Error::BackendUnavailable(_))).await;
+    proxy.set_upstream(good.port());
+    recovered(&backend, "the connection was moved to Redis").await;
+}

@@ -1899,3 +1899,83 @@ fn a_backend_dropped_during_an_outage_stops_reconnecting() {
     }
     assert_eq!(connections, 0, "a dropped backend still reconnects");
 }
+
+/// Subscriptions the server refused, from `INFO commandstats`.
+fn refused_subscribes(server: &RedisServer) -> u64 {
+    let stats = server
+        .command(&["INFO", "commandstats"])
+        .as_string()
+        .unwrap_or_default();
+    stats
+        .lines()
+        .find(|line| line.starts_with("cmdstat_subscribe:"))
+        .and_then(|line| {
+            line.split(',')
+                .find_map(|f| f.strip_prefix("rejected_calls="))
+        })
+        .map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// An ACL without the quota's channel refuses its subscription. A process that only holds a
+/// lease does not retry it at every answered renewal, which would send a refused SUBSCRIBE each
+/// second for as long as it holds (found by review): the backend's answers retry only a
+/// subscription that failed for an outage. The lease itself is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_the_acl_refuses_is_not_retried_by_every_renewal() {
+    let server = RedisServer::start();
+    let url = least_privilege_user(&server);
+    server.command(&["ACL", "SETUSER", "lh", "resetchannels"]);
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let quota = Quota::builder("allowed")
+        .limit(1)
+        .ttl(Duration::from_millis(600))
+        .backend(backend)
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("holder").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await; // 15 renewals (heartbeat 200 ms)
+    assert!(lease.is_held(), "{:?}", lease.lost_reason());
+    let refused = refused_subscribes(&server);
+    println!("{refused} refused SUBSCRIBE in 3 s of renewals");
+    assert!(
+        (1..=2).contains(&refused),
+        "{refused} refused subscriptions"
+    );
+    lease.release().await.unwrap();
+}
+
+/// A subscription attempt that waits out the spacing after a refused one does not outlive its
+/// quota: dropped meanwhile, the quota does not subscribe once the spacing ends, even if the
+/// channel is allowed by then (found by review: the waiting attempt kept the quota alive).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_dropped_while_its_subscription_waits_does_not_subscribe() {
+    let server = RedisServer::start();
+    let url = least_privilege_user(&server);
+    server.command(&["ACL", "SETUSER", "lh", "resetchannels"]);
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let quota = Quota::builder("allowed")
+        .limit(2)
+        .ttl(Duration::from_secs(5))
+        .backend(backend.clone())
+        .build()
+        .unwrap();
+    let first = quota.try_acquire("first").await.unwrap(); // subscribes: refused
+    let end = Instant::now() + Duration::from_secs(5);
+    while refused_subscribes(&server) == 0 {
+        assert!(Instant::now() < end, "the subscription was never tried");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = quota.try_acquire("second").await.unwrap(); // its retry waits out a second
+    first.release().await.unwrap();
+    second.release().await.unwrap();
+    // A live lease keeps its quota's state, and rightly listens for its cancel.
+    drop((first, second, quota));
+    server.command(&["ACL", "SETUSER", "lh", "&leasehold:{allowed}:*"]);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let channels = match server.command(&["PUBSUB", "CHANNELS", "leasehold:*"]) {
+        leasehold_testkit::Reply::Array(v) => v.len(),
+        _ => 0,
+    };
+    assert_eq!(channels, 0, "a dropped quota subscribed");
+    drop(backend);
+}

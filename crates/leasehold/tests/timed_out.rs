@@ -106,3 +106,37 @@ async fn waiters_in_line_that_run_out_say_no_slot_when_those_ahead_were_answered
         holder.release().await.unwrap();
     }
 }
+
+/// Admissions answered during a wait are no "no slot": on a slow link to a quota with free
+/// slots, a wait that runs out before its own answer says "no answer", even when another task's
+/// admission came back meanwhile (before, any answer of the handle counted).
+#[tokio::test]
+async fn an_admission_answered_during_a_wait_does_not_make_it_say_no_slot() {
+    let server = RedisServer::start();
+    let proxy = leasehold_testkit::proxy::FaultProxy::start(server.port());
+    let backend = RedisBackend::connect(&proxy.url()).await.unwrap();
+    let quota = Quota::builder("free")
+        .limit(10)
+        .ttl(Duration::from_secs(30))
+        .backend(backend)
+        .build()
+        .unwrap();
+    proxy.set_latency_each_way(Duration::from_millis(100), Duration::from_millis(100));
+    let other = {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.try_acquire("other").await })
+    };
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    // "other" is answered about 200 ms after it was sent, inside this wait of 150 ms.
+    let waited = quota
+        .acquire_timeout("waiter", Duration::from_millis(150))
+        .await;
+    match &waited {
+        Err(e @ Error::TimedOut { answered, .. }) => {
+            assert!(!answered, "{e}");
+            assert!(e.to_string().starts_with("no answer for quota"), "{e}");
+        }
+        other => panic!("expected a timeout: {other:?}"),
+    }
+    assert!(other.await.unwrap().is_ok(), "the other task was admitted");
+}

@@ -258,9 +258,10 @@ impl RedisBackend {
     /// so a quota's [`BackendDownPolicy`](crate::BackendDownPolicy) answers. For a worker that
     /// must start, and admit by `FailOpen` or `DegradeLocal`, while Redis is down.
     ///
-    /// What `connect_with` reports at once (refused credentials, something other than Redis
-    /// listening) comes with the first calls instead, and the scripts are loaded by the first
-    /// call of each (one more round trip).
+    /// What `connect_with` reports at once comes with the first calls instead: refused
+    /// credentials as [`Error::Misconfigured`], something other than Redis listening (or a
+    /// `rediss://` URL to a server without TLS) as [`Error::BackendUnavailable`], like Redis
+    /// being down. The scripts are loaded by the first call of each (one more round trip).
     pub async fn connect_lazy(url: &str, options: RedisOptions) -> Result<Self> {
         let (client, db) = client_for(url, &options)?;
         runtime::run(async move {

@@ -151,7 +151,10 @@ impl Shared {
                 (reply, admitted, sent)
             };
             shared.record_backend_result(&reply, sent);
-            if reply.is_ok() {
+            if matches!(
+                reply,
+                Ok(AcquireReply::Full { .. } | AcquireReply::Quarantined { .. })
+            ) {
                 shared.acquire_answers.fetch_add(1, Ordering::AcqRel);
             }
             if let Some(taken_rx) = taken_rx {

@@ -74,6 +74,10 @@ impl Shared {
     /// subscribe call (on a dead link it takes a whole call timeout, and subscribes of several
     /// quotas go one after another), and a waiter must not sit on a slot a release won for it
     /// while one is out.
+    ///
+    /// After a failed attempt the next one waits out [`SUBSCRIBE_RETRY`], rather than being
+    /// skipped: the call that asked may be the last for a while (a waiter that sleeps to a far
+    /// expiry, a holder between renewals).
     pub(crate) fn listen_in_background(self: &Arc<Self>) {
         if !self.config.events || self.listening.load(Ordering::Acquire) {
             return;
@@ -81,13 +85,36 @@ impl Shared {
         if self.subscribing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let shared = self.clone();
+        let wait = self.subscribe_spacing_left();
+        let now = self.subscribe_now.clone();
+        // Weak while it waits: a quota dropped meanwhile does not subscribe.
+        let shared = Arc::downgrade(self);
         // Releases announced before the subscription went unheard: once it is in place, every
         // waiter re-checks (`ensure_listening`).
         runtime::spawn(async move {
+            if !wait.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = now.notified() => {}
+                }
+            }
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
             shared.ensure_listening().await;
             shared.subscribing.store(false, Ordering::Release);
         });
+    }
+
+    /// What is left of the spacing after the latest failed subscription attempt.
+    fn subscribe_spacing_left(&self) -> Duration {
+        let failed_at = *self
+            .subscribe_failed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        failed_at.map_or(Duration::ZERO, |at| {
+            SUBSCRIBE_RETRY.saturating_sub(at.elapsed())
+        })
     }
 
     /// Like [`listen_in_background`](Self::listen_in_background), but without waiting out the
@@ -98,26 +125,15 @@ impl Shared {
             .subscribe_failed_at
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = None;
+        // An attempt already waiting out the spacing goes now.
+        self.subscribe_now.notify_waiters();
         self.listen_in_background();
     }
 
     /// Subscribes once to the quota's events; on failure, waiting falls back to timers and polls
-    /// and the next call, or the next answer of the backend, tries again (`SUBSCRIBE_RETRY`
-    /// after the failure).
-    pub(super) async fn ensure_listening(self: &Arc<Self>) {
-        let failed_at = *self
-            .subscribe_failed_at
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(wait) = failed_at.map(|at| SUBSCRIBE_RETRY.saturating_sub(at.elapsed())) {
-            // Waited out here rather than skipped: the call that asked may be the last for a
-            // while (a waiter that sleeps to a far expiry, a holder between renewals), and a
-            // subscription that stays missing leaves them to timers and polls.
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = self.shutdown.cancelled() => return,
-            }
-        }
+    /// and the next call tries again, as does the next answer of the backend unless the
+    /// subscription was refused (`SUBSCRIBE_RETRY` after the failure).
+    async fn ensure_listening(self: &Arc<Self>) {
         if !self.config.events || self.listening.load(Ordering::Acquire) {
             return;
         }
@@ -133,6 +149,7 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner()) = subscribed.is_err().then(Instant::now);
         match subscribed {
             Ok(events) => {
+                self.subscribe_refused.store(false, Ordering::Release);
                 if !self.listening.swap(true, Ordering::AcqRel) {
                     let stop = self.shutdown.clone();
                     let listener = crate::events::listen(Arc::downgrade(self), events);
@@ -148,6 +165,16 @@ impl Shared {
                     self.recheck_missed_events();
                 }
             }
+            // Refused (an ACL without the quota's channel): an operator must hear of it, once,
+            // and the backend's answers stop retrying it (a holder alone would otherwise send a
+            // refused SUBSCRIBE every second); acquires and waiters' rounds still do.
+            Err(e @ Error::Misconfigured(_)) => {
+                if !self.subscribe_refused.swap(true, Ordering::AcqRel) {
+                    tracing::warn!(quota = %self.keys.name, error = %e,
+                        "event subscription refused: waiting relies on timers and polls, and \
+                         holders hear of cancels and forced releases at their next renewal");
+                }
+            }
             Err(e) => tracing::debug!(quota = %self.keys.name, error = %e,
                 "no event subscription yet; waiting relies on timers and polls"),
         }
@@ -157,14 +184,14 @@ impl Shared {
     /// outage subscribes at once if the subscription is missing: cancels and releases are heard
     /// again without waiting for a caller's next round. Other answers subscribe too while it is
     /// missing (one that failed while the backend could not answer, a backend connected lazily
-    /// during an outage), after the spacing of attempts.
+    /// during an outage), after the spacing of attempts, unless it was refused.
     pub(crate) fn record_backend_result<T>(self: &Arc<Self>, result: &Result<T>, sent: Instant) {
         match result {
             Err(Error::BackendUnavailable(_)) => self.breaker.failure(sent),
             _ => {
                 if self.breaker.success() {
                     self.listen_now();
-                } else {
+                } else if !self.subscribe_refused.load(Ordering::Acquire) {
                     self.listen_in_background();
                 }
             }

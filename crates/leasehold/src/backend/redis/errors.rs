@@ -108,7 +108,8 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
     match e.kind() {
         ErrorKind::InvalidClientConfig => Misconfiguration::InvalidUrl(text).into(),
         // A broken byte stream, e.g. a reply cut short by a connection closed mid-frame: the
-        // outcome of the call is unknown, as after a timeout, and redis-rs reconnects.
+        // outcome of the call is unknown, as after a timeout, and redis-rs reconnects (or, when
+        // it was the answer to a handshake, the backend rebuilds: `refused_at_handshake`).
         ErrorKind::Parse => Error::BackendUnavailable(format!("connection broken: {text}")),
         ErrorKind::UnexpectedReturnType => Misconfiguration::Protocol(text).into(),
         ErrorKind::Server(
@@ -144,9 +145,17 @@ fn is_hello_unknown(e: &RedisError, text: &str) -> bool {
 /// script, too few databases), and a HELLO the server does not know. leasehold sends neither
 /// AUTH, SELECT nor HELLO in calls of its own. redis-rs keeps such a failed connection until
 /// an I/O error, which never comes, so the backend rebuilds it (`Link::handshake_failed`).
+///
+/// Also a reply that does not parse: in a connection's handshake it means something other than
+/// Redis answered (a reconnection through a proxy moved elsewhere, a lazy backend's first
+/// connection), which sticks the same way. Elsewhere (a reply cut short) the rebuild it starts
+/// is one more, spaced, beside redis-rs's own reconnection.
 pub(super) fn refused_at_handshake(e: &RedisError) -> bool {
     let text = e.to_string();
-    is_auth_refusal(e, &text) || text.contains(SELECT_REFUSED) || is_hello_unknown(e, &text)
+    is_auth_refusal(e, &text)
+        || text.contains(SELECT_REFUSED)
+        || is_hello_unknown(e, &text)
+        || e.kind() == ErrorKind::Parse
 }
 
 impl RedisBackend {
