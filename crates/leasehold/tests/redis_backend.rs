@@ -709,9 +709,17 @@ async fn a_renewal_refused_by_the_acl_ends_the_lease_at_its_local_deadline_with_
     let quota = quota_at(&url, "allowed", 2, ttl).await;
 
     // Refused for less than the local deadline's reach: the next renewal confirms the lease.
+    // Restored as soon as a renewal was refused, so that the next beat (a third of the ttl
+    // later) finds the rights back even on a loaded machine: a fixed half ttl of refusals left
+    // the next beat 150 ms of room, and a restore delayed past it lost the lease in CI.
     let kept = quota.try_acquire("kept").await.unwrap();
+    let before = rejected_calls(&server, "evalsha");
     revoke();
-    tokio::time::sleep(ttl / 2).await;
+    let end = Instant::now() + Duration::from_secs(5);
+    while rejected_calls(&server, "evalsha") == before {
+        assert!(Instant::now() < end, "no renewal was refused");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     restore();
     tokio::time::sleep(ttl * 2).await;
     assert!(kept.is_held(), "{:?}", kept.lost_reason());
@@ -1900,20 +1908,25 @@ fn a_backend_dropped_during_an_outage_stops_reconnecting() {
     assert_eq!(connections, 0, "a dropped backend still reconnects");
 }
 
-/// Subscriptions the server refused, from `INFO commandstats`.
-fn refused_subscribes(server: &RedisServer) -> u64 {
+/// Calls of `command` the server refused (ACL, ...), from `INFO commandstats`.
+fn rejected_calls(server: &RedisServer, command: &str) -> u64 {
     let stats = server
         .command(&["INFO", "commandstats"])
         .as_string()
         .unwrap_or_default();
     stats
         .lines()
-        .find(|line| line.starts_with("cmdstat_subscribe:"))
+        .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
         .and_then(|line| {
             line.split(',')
                 .find_map(|f| f.strip_prefix("rejected_calls="))
         })
         .map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// Subscriptions the server refused.
+fn refused_subscribes(server: &RedisServer) -> u64 {
+    rejected_calls(server, "subscribe")
 }
 
 /// An ACL without the quota's channel refuses its subscription. A process that only holds a
