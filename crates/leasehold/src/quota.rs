@@ -93,8 +93,9 @@ pub(crate) struct Shared {
     subscribing: AtomicBool,
     /// Wakes an attempt that waits out the spacing: the backend answers again after an outage.
     subscribe_now: Arc<tokio::sync::Notify>,
-    /// The latest subscription attempt was refused (an ACL without the quota's channel), not
-    /// cut short by an outage: the backend's answers do not retry it.
+    /// The latest subscription attempt was refused (a misconfiguration: an ACL without the
+    /// quota's channel), not cut short by an outage: the backend's answers do not retry it;
+    /// acquires and waiters' rounds still do.
     subscribe_refused: AtomicBool,
     /// The task that keeps the subscription in place for local leases runs.
     watching_local: AtomicBool,

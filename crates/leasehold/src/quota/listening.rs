@@ -85,17 +85,24 @@ impl Shared {
         if self.subscribing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let wait = self.subscribe_spacing_left();
         let now = self.subscribe_now.clone();
         // Weak while it waits: a quota dropped meanwhile does not subscribe.
         let shared = Arc::downgrade(self);
         // Releases announced before the subscription went unheard: once it is in place, every
         // waiter re-checks (`ensure_listening`).
         runtime::spawn(async move {
+            // Listening for `listen_now` before the spacing is read: it clears the spacing, then
+            // notifies only those already listening, so a call in between is seen either way.
+            let notified = now.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let Some(wait) = shared.upgrade().map(|s| s.subscribe_spacing_left()) else {
+                return;
+            };
             if !wait.is_zero() {
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
-                    _ = now.notified() => {}
+                    _ = notified => {}
                 }
             }
             let Some(shared) = shared.upgrade() else {
@@ -175,8 +182,11 @@ impl Shared {
                          holders hear of cancels and forced releases at their next renewal");
                 }
             }
-            Err(e) => tracing::debug!(quota = %self.keys.name, error = %e,
-                "no event subscription yet; waiting relies on timers and polls"),
+            Err(e) => {
+                self.subscribe_refused.store(false, Ordering::Release);
+                tracing::debug!(quota = %self.keys.name, error = %e,
+                    "no event subscription yet; waiting relies on timers and polls")
+            }
         }
     }
 
@@ -196,5 +206,46 @@ impl Shared {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{MemoryBackend, Quota};
+
+    /// `listen_now` (the backend answers again after an outage) cuts short a retry that waits
+    /// out the spacing after a failed subscription, even one spawned in the same poll that has
+    /// not started yet (found by review: its wake-up was lost, and it slept the whole second).
+    #[tokio::test]
+    async fn listen_now_cuts_short_a_retry_spawned_just_before_it() {
+        let quota = Quota::builder("retry")
+            .limit(1)
+            .backend(MemoryBackend::new())
+            .build()
+            .unwrap();
+        let shared = quota.shared.clone();
+        *shared.subscribe_failed_at.lock().unwrap() = Some(Instant::now());
+        let started = Instant::now();
+        let both = shared.clone();
+        runtime::run(async move {
+            both.listen_in_background();
+            both.listen_now();
+            Ok(())
+        })
+        .await
+        .unwrap();
+        while !shared.listening.load(Ordering::Acquire) {
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "never subscribed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_millis(500),
+            "subscribed after {took:?}"
+        );
     }
 }

@@ -107,9 +107,9 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
     }
     match e.kind() {
         ErrorKind::InvalidClientConfig => Misconfiguration::InvalidUrl(text).into(),
-        // A broken byte stream, e.g. a reply cut short by a connection closed mid-frame: the
-        // outcome of the call is unknown, as after a timeout, and redis-rs reconnects (or, when
-        // it was the answer to a handshake, the backend rebuilds: `refused_at_handshake`).
+        // Bytes that are not RESP (a corrupted stream, or something other than Redis answering):
+        // the outcome of the call is unknown, as after a timeout, and redis-rs reconnects (or,
+        // when it was the answer to a handshake, the backend rebuilds: `refused_at_handshake`).
         ErrorKind::Parse => Error::BackendUnavailable(format!("connection broken: {text}")),
         ErrorKind::UnexpectedReturnType => Misconfiguration::Protocol(text).into(),
         ErrorKind::Server(
@@ -146,10 +146,11 @@ fn is_hello_unknown(e: &RedisError, text: &str) -> bool {
 /// AUTH, SELECT nor HELLO in calls of its own. redis-rs keeps such a failed connection until
 /// an I/O error, which never comes, so the backend rebuilds it (`Link::handshake_failed`).
 ///
-/// Also a reply that does not parse: in a connection's handshake it means something other than
+/// Also bytes that are not RESP: in a connection's handshake they mean something other than
 /// Redis answered (a reconnection through a proxy moved elsewhere, a lazy backend's first
-/// connection), which sticks the same way. Elsewhere (a reply cut short) the rebuild it starts
-/// is one more, spaced, beside redis-rs's own reconnection.
+/// connection), which sticks the same way. Met mid-stream instead, the rebuild they start is
+/// one more connection, spaced, beside redis-rs's own reconnection. (A reply cut short by a
+/// closed connection is an I/O error, not this.)
 pub(super) fn refused_at_handshake(e: &RedisError) -> bool {
     let text = e.to_string();
     is_auth_refusal(e, &text)
