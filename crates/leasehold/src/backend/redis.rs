@@ -262,6 +262,24 @@ impl RedisBackend {
     /// credentials as [`Error::Misconfigured`], something other than Redis listening (or a
     /// `rediss://` URL to a server without TLS) as [`Error::BackendUnavailable`], like Redis
     /// being down. The scripts are loaded by the first call of each (one more round trip).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> leasehold::Result<()> {
+    /// use leasehold::{BackendDownPolicy, Quota, RedisBackend};
+    ///
+    /// // Nothing listens on this port: Redis is down as the worker starts.
+    /// let backend = RedisBackend::connect_lazy("redis://127.0.0.1:1/", Default::default()).await?;
+    /// let quota = Quota::builder("llm")
+    ///     .limit(8)
+    ///     .when_backend_down(BackendDownPolicy::DegradeLocal { share: 2 })
+    ///     .backend(backend)
+    ///     .build()?;
+    /// let lease = quota.try_acquire("job-1").await?;
+    /// assert!(lease.is_local()); // granted by the policy; Redis admits once it answers
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn connect_lazy(url: &str, options: RedisOptions) -> Result<Self> {
         let (client, db) = client_for(url, &options)?;
         runtime::run(async move {
