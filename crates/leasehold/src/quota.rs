@@ -104,11 +104,10 @@ pub(crate) struct Shared {
     /// Wakes the renewal task for a new lease whose local deadline comes first.
     pub(crate) alarm: Arc<heartbeat::Alarm>,
     pub(crate) breaker: Breaker,
-    /// Acquire calls of this handle (and its clones) the backend answered "no slot" (full or
-    /// quarantined): a waiter that runs out of time behind others, without an answer of its own,
-    /// learns from theirs that the backend answers and the quota is full
-    /// (`Error::TimedOut::answered`).
-    pub(crate) acquire_answers: AtomicU64,
+    /// Attempts of this handle's waiters (and its clones') answered "no slot": a waiter that
+    /// runs out of time behind others, without an answer of its own, learns from theirs that the
+    /// backend answers and the quota is full (`Error::TimedOut::answered`).
+    waiter_refusals: AtomicU64,
 }
 
 impl Quota {
@@ -133,7 +132,7 @@ impl Quota {
             shutdown: CancellationToken::new(),
             alarm: Arc::default(),
             breaker: Breaker::new(config.breaker),
-            acquire_answers: AtomicU64::new(0),
+            waiter_refusals: AtomicU64::new(0),
             config,
         });
         heartbeat::start(&shared);
@@ -220,7 +219,7 @@ impl Quota {
     pub async fn acquire(&self, task_id: &str) -> Result<Lease> {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
-        self.wait_for_slot(task_id, &AtomicBool::new(false)).await
+        self.wait_for_slot(task_id).await
     }
 
     /// Like [`acquire`](Self::acquire), but gives up after `timeout` with [`Error::TimedOut`],
@@ -236,9 +235,8 @@ impl Quota {
     pub async fn acquire_timeout(&self, task_id: &str, timeout: Duration) -> Result<Lease> {
         validate_task_id(task_id)?;
         self.shared.listen_in_background();
-        let answered = AtomicBool::new(false);
-        let answers_before = self.shared.acquire_answers.load(Ordering::Acquire);
-        match tokio::time::timeout(timeout, self.wait_for_slot(task_id, &answered)).await {
+        let refusals_before = self.shared.waiter_refusals.load(Ordering::Acquire);
+        match tokio::time::timeout(timeout, self.wait_for_slot(task_id)).await {
             Ok(result) => result,
             Err(_) => match self.shared.held_lease_of(task_id) {
                 Some(held) => Ok(Lease::from_inner(held)),
@@ -247,8 +245,7 @@ impl Quota {
                     waited: timeout,
                     // This waiter's own attempts, or those of the waiters ahead of it (which
                     // alone attempt while it waits in line) were answered: no slot.
-                    answered: answered.load(Ordering::Relaxed)
-                        || self.shared.acquire_answers.load(Ordering::Acquire) > answers_before,
+                    answered: self.shared.waiter_refusals.load(Ordering::Acquire) > refusals_before,
                 }),
             },
         }
@@ -485,9 +482,9 @@ impl Quota {
         }
     }
 
-    /// Waits for a slot; `answered` is set once an attempt is answered (no slot), so that a
-    /// caller that gives up can tell a full quota from a backend that never answered.
-    async fn wait_for_slot(&self, task_id: &str, answered: &AtomicBool) -> Result<Lease> {
+    /// Waits for a slot. Each "no slot" answer counts in `waiter_refusals`, so that a caller
+    /// that gives up can tell a full quota from a backend that never answered.
+    async fn wait_for_slot(&self, task_id: &str) -> Result<Lease> {
         let shared = &self.shared;
         // Only a newcomer when nobody waits in line (or a task that already holds) may try at
         // once; otherwise it would overtake older waiters.
@@ -496,7 +493,7 @@ impl Quota {
             .waiters
             .join(task_id, shared.held_lease_of(task_id).is_some());
         if try_at_once {
-            match self.settled(self.attempt(task_id).await, answered)? {
+            match self.settled(self.attempt(task_id).await)? {
                 Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => return Ok(lease),
                 Attempt::Full { retry_after: r, .. } => {
                     retry_after = r;
@@ -540,7 +537,7 @@ impl Quota {
                 Some(started) => started,
                 None => shared.start_attempt(task_id),
             };
-            let outcome = self.settled(attempt.outcome().await, answered);
+            let outcome = self.settled(attempt.outcome().await);
             if !matches!(outcome, Ok(Attempt::Admitted(_) | Attempt::Full { .. })) {
                 // This waiter leaves without having taken a slot (another caller of its task
                 // holds it, or an error: cancelled, the backend down...): a freed slot its
@@ -559,11 +556,13 @@ impl Quota {
 
     /// An attempt's outcome, as a waiter takes it: a misconfiguration (a limit that disagrees
     /// with the stored one) ends every waiter's wait alike, so all of them try now and hear it,
-    /// instead of each at its next poll. A refusal sets `answered`.
-    fn settled(&self, outcome: Result<Attempt>, answered: &AtomicBool) -> Result<Attempt> {
+    /// instead of each at its next poll. A refusal counts in `waiter_refusals`.
+    fn settled(&self, outcome: Result<Attempt>) -> Result<Attempt> {
         match &outcome {
             Err(Error::Misconfigured(_)) => self.shared.recheck_all(),
-            Ok(Attempt::Full { .. }) => answered.store(true, Ordering::Relaxed),
+            Ok(Attempt::Full { .. }) => {
+                self.shared.waiter_refusals.fetch_add(1, Ordering::AcqRel);
+            }
             _ => {}
         }
         outcome

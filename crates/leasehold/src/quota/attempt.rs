@@ -1,6 +1,5 @@
 //! One admission attempt, run to completion on the leasehold runtime whoever still waits for it.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -151,12 +150,6 @@ impl Shared {
                 (reply, admitted, sent)
             };
             shared.record_backend_result(&reply, sent);
-            if matches!(
-                reply,
-                Ok(AcquireReply::Full { .. } | AcquireReply::Quarantined { .. })
-            ) {
-                shared.acquire_answers.fetch_add(1, Ordering::AcqRel);
-            }
             if let Some(taken_rx) = taken_rx {
                 // Usually taken long before the reply; otherwise the waiter is not running.
                 let taken = matches!(tokio::time::timeout(TAKE_GRACE, taken_rx).await, Ok(Ok(())));
