@@ -12,22 +12,17 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
-use leasehold::backend::{
-    AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
-};
 use leasehold::debug::{QuotaSizes, RedisSizes};
 use leasehold::{
-    Backend, BackendDownPolicy, BreakerConfig, Error, Lease, MemoryBackend, Quota, QuotaKeys,
-    RedisBackend, Result,
+    Backend, BackendDownPolicy, BreakerConfig, Error, Lease, MemoryBackend, Quota, RedisBackend,
 };
 use leasehold_testkit::{RedisServer, Reply};
-use tokio::sync::broadcast;
 
+use common::counting::Counting;
 use common::{eventually, unique};
 
 /// Concurrent workers on the main quota, and its limit: twice as many workers as slots, so that
@@ -353,10 +348,7 @@ async fn settle(quota: &Quota, what: &str, idle: impl Fn(QuotaSizes) -> bool) {
 async fn outage(backend: &Arc<dyn Backend>, prefix: &str) {
     const ROUNDS: usize = 5;
     const HELD: usize = 2;
-    let flaky = Arc::new(Flaky {
-        inner: backend.clone(),
-        down: AtomicBool::new(false),
-    });
+    let flaky = Counting::new(backend.clone());
     let build = |name: &str, policy| {
         Quota::builder(format!("{prefix}-{name}"))
             .limit(LIMIT)
@@ -381,7 +373,7 @@ async fn outage(backend: &Arc<dyn Backend>, prefix: &str) {
                 leases.push(quota.acquire_timeout(&id, TTL * 5).await.unwrap());
             }
         }
-        flaky.down.store(true, Ordering::SeqCst);
+        flaky.set_down(true);
         // Dropped while the backend is down: their releases get no answer.
         drop(leases);
         closed.flush().await;
@@ -402,7 +394,7 @@ async fn outage(backend: &Arc<dyn Backend>, prefix: &str) {
                 Err(e) => panic!("{id}: {e}"),
             }
         }
-        flaky.down.store(false, Ordering::SeqCst);
+        flaky.set_down(false);
         // Up again: past the releases' window (two ttls), and the breaker's cool-down.
         tokio::time::sleep(OUTAGE_TTL * 2 + Duration::from_millis(20)).await;
         for quota in [&closed, &local] {
@@ -563,82 +555,5 @@ fn kind_of(key: &str) -> &'static str {
         "quarantine" => "quarantine",
         _ if rest.starts_with("cancel:") => "cancel",
         _ => "other",
-    }
-}
-
-/// A backend that answers acquires, renewals and releases `BackendUnavailable` while `down`,
-/// as an unreachable Redis would; the same connection as `inner` otherwise.
-#[derive(Debug)]
-struct Flaky {
-    inner: Arc<dyn Backend>,
-    down: AtomicBool,
-}
-
-impl Flaky {
-    fn up(&self) -> Result<()> {
-        match self.down.load(Ordering::SeqCst) {
-            true => Err(Error::BackendUnavailable("switched off".into())),
-            false => Ok(()),
-        }
-    }
-}
-
-#[async_trait]
-impl Backend for Flaky {
-    async fn acquire_with_limit(
-        &self,
-        keys: &QuotaKeys,
-        id: &str,
-        ttl: Duration,
-        limit: VersionedLimit,
-    ) -> Result<AcquireReply> {
-        self.up()?;
-        self.inner.acquire_with_limit(keys, id, ttl, limit).await
-    }
-    async fn renew(
-        &self,
-        keys: &QuotaKeys,
-        ttl: Duration,
-        epoch: &str,
-        leases: &[(String, u64)],
-    ) -> Result<RenewReply> {
-        self.up()?;
-        self.inner.renew(keys, ttl, epoch, leases).await
-    }
-    async fn set_limit(
-        &self,
-        keys: &QuotaKeys,
-        limit: u32,
-        version: Option<u64>,
-    ) -> Result<LimitUpdate> {
-        self.inner.set_limit(keys, limit, version).await
-    }
-    async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
-        self.up()?;
-        self.inner.release(keys, id, token).await
-    }
-    async fn cancel(
-        &self,
-        keys: &QuotaKeys,
-        id: &str,
-        reason: &str,
-        marker_ttl: Duration,
-    ) -> Result<bool> {
-        self.inner.cancel(keys, id, reason, marker_ttl).await
-    }
-    async fn cancel_reason(&self, keys: &QuotaKeys, id: &str) -> Result<Option<String>> {
-        self.inner.cancel_reason(keys, id).await
-    }
-    async fn snapshot(&self, keys: &QuotaKeys) -> Result<Snapshot> {
-        self.inner.snapshot(keys).await
-    }
-    async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
-        self.inner.subscribe(keys).await
-    }
-    fn forget(&self, keys: &QuotaKeys) {
-        self.inner.forget(keys);
-    }
-    fn identity(&self) -> usize {
-        self.inner.identity()
     }
 }

@@ -1,8 +1,9 @@
 //! A backend wrapper that counts the acquire answers "full" per task id, so that a test can wait
-//! (bounded) until a waiter was refused and is in line, on either backend, and the renew calls.
+//! (bounded) until a waiter was refused and is in line, on either backend, and the renew calls;
+//! and that can be taken "down", on either backend.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use async_trait::async_trait;
 use leasehold::backend::{
     AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
 };
-use leasehold::{Backend, QuotaKeys, Result};
+use leasehold::{Backend, Error, QuotaKeys, Result};
 use tokio::sync::broadcast;
 
 /// Delegates every call to `inner`, including its [`Backend::identity`]: handles built on this
@@ -20,6 +21,7 @@ pub struct Counting {
     inner: Arc<dyn Backend>,
     refused: Mutex<HashMap<String, u64>>,
     renewals: AtomicU64,
+    down: AtomicBool,
 }
 
 impl Counting {
@@ -28,7 +30,21 @@ impl Counting {
             inner,
             refused: Mutex::default(),
             renewals: AtomicU64::new(0),
+            down: AtomicBool::new(false),
         })
+    }
+
+    /// While down, acquires, renewals and releases fail `BackendUnavailable`, as an unreachable
+    /// Redis would; the other calls still go through.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    fn up(&self) -> Result<()> {
+        match self.down.load(Ordering::SeqCst) {
+            true => Err(Error::BackendUnavailable("switched off".into())),
+            false => Ok(()),
+        }
     }
 
     /// How many renew calls went to the backend (answered or not).
@@ -62,6 +78,7 @@ impl Backend for Counting {
         ttl: Duration,
         limit: VersionedLimit,
     ) -> Result<AcquireReply> {
+        self.up()?;
         let answer = self.inner.acquire_with_limit(keys, id, ttl, limit).await;
         if let Ok(AcquireReply::Full { .. }) = answer {
             *self
@@ -81,6 +98,7 @@ impl Backend for Counting {
         leases: &[(String, u64)],
     ) -> Result<RenewReply> {
         self.renewals.fetch_add(1, Ordering::SeqCst);
+        self.up()?;
         self.inner.renew(keys, ttl, epoch, leases).await
     }
     async fn set_limit(
@@ -92,6 +110,7 @@ impl Backend for Counting {
         self.inner.set_limit(keys, limit, version).await
     }
     async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
+        self.up()?;
         self.inner.release(keys, id, token).await
     }
     async fn cancel(
