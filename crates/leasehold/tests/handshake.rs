@@ -16,13 +16,16 @@ use leasehold_testkit::RedisServer;
 /// Rebuilds are spaced in call timeouts (at least four): a short one keeps the tests short.
 const CALL_TIMEOUT: Duration = Duration::from_millis(300);
 
-async fn connect(url: &str) -> RedisBackend {
-    let options = RedisOptions {
+fn options() -> RedisOptions {
+    RedisOptions {
         call_timeout: CALL_TIMEOUT,
         connect_timeout: CALL_TIMEOUT,
         ..RedisOptions::default()
-    };
-    RedisBackend::connect_with(url, options).await.unwrap()
+    }
+}
+
+async fn connect(url: &str) -> RedisBackend {
+    RedisBackend::connect_with(url, options()).await.unwrap()
 }
 
 async fn ping(backend: &RedisBackend) -> Result<String, Error> {
@@ -244,12 +247,7 @@ async fn a_lazy_backend_whose_first_connection_is_not_to_redis_recovers_when_mov
     let good = RedisServer::start();
     let not_redis = NotRedis::start();
     let proxy = FaultProxy::start(not_redis.port);
-    let options = RedisOptions {
-        call_timeout: CALL_TIMEOUT,
-        connect_timeout: CALL_TIMEOUT,
-        ..RedisOptions::default()
-    };
-    let backend = RedisBackend::connect_lazy(&proxy.url(), options)
+    let backend = RedisBackend::connect_lazy(&proxy.url(), options())
         .await
         .unwrap();
     refused(&backend, |e| matches!(e, Error::BackendUnavailable(_))).await;

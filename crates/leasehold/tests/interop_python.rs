@@ -58,6 +58,30 @@ fn python_worker(env: &[(&str, &str)], args: &[String]) -> Worker {
     Worker::spawn_command(cmd)
 }
 
+/// Every process of a test runs with this lease ttl: the clients of a quota share one.
+const TTL_MS: u64 = 3000;
+
+/// The arguments of a worker of either language (the same line protocol): `mode` on `quota`
+/// of `limit` on `server`, ttl [`TTL_MS`], then the mode's own.
+fn command(
+    mode: &str,
+    server: &RedisServer,
+    quota: &str,
+    limit: impl ToString,
+    rest: &[&dyn ToString],
+) -> Vec<String> {
+    let mut all = args(&[&mode, &server.url(), &quota, &limit.to_string(), &TTL_MS]);
+    all.extend(rest.iter().map(|part| part.to_string()));
+    all
+}
+
+/// Reads the worker's next line (within 10 s), which must be `acquired TOKEN`; returns TOKEN.
+fn acquired(worker: &Worker) -> String {
+    let line = worker.next_line(Duration::from_secs(10));
+    assert!(line.starts_with("acquired "), "{line}");
+    line["acquired ".len()..].to_owned()
+}
+
 /// The fencing tokens of `hold START END TOKEN` lines.
 fn tokens(lines: &[String]) -> Vec<u64> {
     lines
@@ -78,7 +102,7 @@ fn rust_quota(rt: &tokio::runtime::Runtime, server: &RedisServer, name: &str, li
     rt.block_on(async {
         Quota::builder(name)
             .limit(limit)
-            .ttl(Duration::from_millis(3000))
+            .ttl(Duration::from_millis(TTL_MS))
             .poll_interval(Duration::from_secs(10))
             .backend(RedisBackend::connect(&server.url()).await.unwrap())
             .build()
@@ -100,15 +124,7 @@ fn runtime() -> tokio::runtime::Runtime {
 fn rust_and_python_processes_keep_one_limit_and_one_token_sequence() {
     let server = RedisServer::start();
     let limit = 3;
-    let hammer = args(&[
-        &"hammer",
-        &server.url(),
-        &"mixed",
-        &limit,
-        &3000,
-        &3000,
-        &2000,
-    ]);
+    let hammer = command("hammer", &server, "mixed", limit, &[&3000, &2000]);
     let rust: Vec<Worker> = (0..3).map(|_| Worker::spawn(&[], &hammer)).collect();
     let python: Vec<Worker> = (0..3).map(|_| python_worker(&[], &hammer)).collect();
     let (mut intervals, mut all_tokens, mut per_process) = (Vec::new(), Vec::new(), Vec::new());
@@ -168,22 +184,13 @@ fn a_release_on_one_side_wakes_a_waiter_on_the_other() {
     let first = rt.block_on(quota.try_acquire("rust-first")).unwrap();
     let python = python_worker(
         &[("LEASEHOLD_POLL_MS", "10000")],
-        &args(&[
-            &"hold",
-            &server.url(),
-            &"handover",
-            &1,
-            &3000,
-            &"python",
-            &800,
-        ]),
+        &command("hold", &server, "handover", 1, &[&"python", &800]),
     );
     std::thread::sleep(Duration::from_millis(700)); // the Python waiter is subscribed and waiting
     let released = Instant::now();
     rt.block_on(first.release()).unwrap();
-    let line = python.next_line(Duration::from_secs(10));
+    acquired(&python);
     let to_python = released.elapsed();
-    assert!(line.starts_with("acquired "), "{line}");
 
     let waiter = {
         let quota = quota.clone();
@@ -217,29 +224,18 @@ fn a_cancel_from_either_side_stops_a_holder_of_the_other() {
 
     let rust_holder = Worker::spawn(
         &[],
-        &args(&[
-            &"hold",
-            &server.url(),
-            &"cancels",
-            &2,
-            &3000,
-            &"rust-task",
-            &30_000,
-        ]),
+        &command("hold", &server, "cancels", 2, &[&"rust-task", &30_000]),
     );
-    let line = rust_holder.next_line(Duration::from_secs(10));
-    assert!(line.starts_with("acquired "), "{line}");
+    acquired(&rust_holder);
     let canceller = python_worker(
         &[],
-        &args(&[
-            &"cancel",
-            &server.url(),
-            &"cancels",
-            &2,
-            &3000,
-            &"rust-task",
-            &"stop now",
-        ]),
+        &command(
+            "cancel",
+            &server,
+            "cancels",
+            2,
+            &[&"rust-task", &"stop now"],
+        ),
     );
     let sent = Instant::now();
     assert_eq!(
@@ -255,18 +251,9 @@ fn a_cancel_from_either_side_stops_a_holder_of_the_other() {
 
     let python_holder = python_worker(
         &[],
-        &args(&[
-            &"hold",
-            &server.url(),
-            &"cancels",
-            &2,
-            &3000,
-            &"python-task",
-            &30_000,
-        ]),
+        &command("hold", &server, "cancels", 2, &[&"python-task", &30_000]),
     );
-    let line = python_holder.next_line(Duration::from_secs(10));
-    assert!(line.starts_with("acquired "), "{line}");
+    acquired(&python_holder);
     let sent = Instant::now();
     assert!(rt
         .block_on(quota.cancel("python-task", "from rust"))
@@ -297,20 +284,9 @@ fn status_shows_both_sides_and_a_killed_python_holder_is_reclaimed() {
     let rust_lease = rt.block_on(quota.try_acquire("rust-holder")).unwrap();
     let mut python_holder = python_worker(
         &[],
-        &args(&[
-            &"try",
-            &server.url(),
-            &"shared",
-            &2,
-            &3000,
-            &"python-holder",
-        ]),
+        &command("try", &server, "shared", 2, &[&"python-holder"]),
     );
-    let line = python_holder.next_line(Duration::from_secs(10));
-    let python_token: u64 = line
-        .strip_prefix("acquired ")
-        .and_then(|t| t.parse().ok())
-        .unwrap_or_else(|| panic!("{line}"));
+    let python_token: u64 = acquired(&python_holder).parse().unwrap();
 
     let status = rt.block_on(quota.status()).unwrap();
     let seen: HashSet<(String, u64)> = status
@@ -324,11 +300,8 @@ fn status_shows_both_sides_and_a_killed_python_holder_is_reclaimed() {
     ]
     .into();
     assert_eq!(seen, expected, "the crate's status");
-    let lines = python_worker(
-        &[],
-        &args(&[&"status", &server.url(), &"shared", &2, &3000]),
-    )
-    .wait(Duration::from_secs(10));
+    let lines = python_worker(&[], &command("status", &server, "shared", 2, &[]))
+        .wait(Duration::from_secs(10));
     let listed: HashSet<(String, u64)> = lines
         .iter()
         .filter_map(|l| l.strip_prefix("holder "))

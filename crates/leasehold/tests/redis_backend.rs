@@ -1924,11 +1924,6 @@ fn rejected_calls(server: &RedisServer, command: &str) -> u64 {
         .map_or(0, |n| n.trim().parse().unwrap())
 }
 
-/// Subscriptions the server refused.
-fn refused_subscribes(server: &RedisServer) -> u64 {
-    rejected_calls(server, "subscribe")
-}
-
 /// An ACL without the quota's channel refuses its subscription. A process that only holds a
 /// lease does not retry it at every answered renewal, which would send a refused SUBSCRIBE each
 /// second for as long as it holds (found by review): the backend's answers retry only a
@@ -1948,7 +1943,7 @@ async fn a_subscription_the_acl_refuses_is_not_retried_by_every_renewal() {
     let lease = quota.try_acquire("holder").await.unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await; // 15 renewals (heartbeat 200 ms)
     assert!(lease.is_held(), "{:?}", lease.lost_reason());
-    let refused = refused_subscribes(&server);
+    let refused = rejected_calls(&server, "subscribe");
     println!("{refused} refused SUBSCRIBE in 3 s of renewals");
     // The acquire's own attempt; without the rule, one more each second.
     assert_eq!(refused, 1, "{refused} refused subscriptions");
@@ -1972,7 +1967,7 @@ async fn a_quota_dropped_while_its_subscription_waits_does_not_subscribe() {
         .unwrap();
     let first = quota.try_acquire("first").await.unwrap(); // subscribes: refused
     let end = Instant::now() + Duration::from_secs(5);
-    while refused_subscribes(&server) == 0 {
+    while rejected_calls(&server, "subscribe") == 0 {
         assert!(Instant::now() < end, "the subscription was never tried");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
