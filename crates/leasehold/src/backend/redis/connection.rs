@@ -153,9 +153,8 @@ pub(super) const KEEP_ALIVE: Duration = Duration::from_secs(1);
 /// After a disconnection redis-rs makes two connection attempts (`new_manager`), then
 /// reconnects only when a call is sent. A process that only holds local leases sends none, and
 /// its subscription, the only way such a lease hears of a cancel, would stay dead with Redis
-/// back. Unlimited retries
-/// inside redis-rs would instead outlive a dropped backend for as long as Redis stays away. A
-/// busy connection needs no ping: its own calls reconnect it.
+/// back. Unlimited retries inside redis-rs would instead outlive a dropped backend for as long
+/// as Redis stays away. A busy connection needs no ping: its own calls reconnect it.
 pub(super) async fn keep_subscriptions_alive(inner: Weak<Inner>) {
     loop {
         tokio::time::sleep(KEEP_ALIVE).await;

@@ -80,7 +80,7 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
     if SERVER_BUSY_CODES.contains(&code) {
         // Checked before the script case: Redis reports these with the script's name when a
         // command inside it was refused, and they pass (a promotion, freed memory, a load done).
-        return Error::BackendUnavailable(format!("the server refuses for now ({code}): {text}"));
+        return refuses_for_now(code, &text);
     }
     if text.contains("user_script") {
         // A script failed on data it did not expect (a key rewritten from outside): retrying
@@ -99,7 +99,7 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         }
         if text.contains("is busy running") {
             // BUSY: another client's script ran past `busy-reply-threshold`; it ends or is killed.
-            return Error::BackendUnavailable(format!("the server refuses for now (BUSY): {text}"));
+            return refuses_for_now("BUSY", &text);
         }
         // The URL's database number does not exist on this server (`DB index is out of range`),
         // or the server takes no SELECT (a Cluster node): no retry can help.
@@ -120,6 +120,11 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         .into(),
         _ => Error::BackendUnavailable(text),
     }
+}
+
+/// A refusal that passes (`SERVER_BUSY_CODES`), with its code.
+fn refuses_for_now(code: &str, text: &str) -> Error {
+    Error::BackendUnavailable(format!("the server refuses for now ({code}): {text}"))
 }
 
 /// How redis-rs words a refused SELECT of the URL's database, the only SELECT sent.
