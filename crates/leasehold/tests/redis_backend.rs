@@ -713,10 +713,10 @@ async fn a_renewal_refused_by_the_acl_ends_the_lease_at_its_local_deadline_with_
     // later) finds the rights back even on a loaded machine: a fixed half ttl of refusals left
     // the next beat 150 ms of room, and a restore delayed past it lost the lease in CI.
     let kept = quota.try_acquire("kept").await.unwrap();
-    let before = rejected_calls(&server, "evalsha");
+    let before = common::rejected_calls_of(&server, "evalsha");
     revoke();
     let end = Instant::now() + Duration::from_secs(5);
-    while rejected_calls(&server, "evalsha") == before {
+    while common::rejected_calls_of(&server, "evalsha") == before {
         assert!(Instant::now() < end, "no renewal was refused");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -1908,22 +1908,6 @@ fn a_backend_dropped_during_an_outage_stops_reconnecting() {
     assert_eq!(connections, 0, "a dropped backend still reconnects");
 }
 
-/// Calls of `command` the server refused (ACL, ...), from `INFO commandstats`.
-fn rejected_calls(server: &RedisServer, command: &str) -> u64 {
-    let stats = server
-        .command(&["INFO", "commandstats"])
-        .as_string()
-        .unwrap_or_default();
-    stats
-        .lines()
-        .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
-        .and_then(|line| {
-            line.split(',')
-                .find_map(|f| f.strip_prefix("rejected_calls="))
-        })
-        .map_or(0, |n| n.trim().parse().unwrap())
-}
-
 /// An ACL without the quota's channel refuses its subscription. A process that only holds a
 /// lease does not retry it at every answered renewal, which would send a refused SUBSCRIBE each
 /// second for as long as it holds (found by review): the backend's answers retry only a
@@ -1943,7 +1927,7 @@ async fn a_subscription_the_acl_refuses_is_not_retried_by_every_renewal() {
     let lease = quota.try_acquire("holder").await.unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await; // 15 renewals (heartbeat 200 ms)
     assert!(lease.is_held(), "{:?}", lease.lost_reason());
-    let refused = rejected_calls(&server, "subscribe");
+    let refused = common::rejected_calls_of(&server, "subscribe");
     println!("{refused} refused SUBSCRIBE in 3 s of renewals");
     // The acquire's own attempt; without the rule, one more each second.
     assert_eq!(refused, 1, "{refused} refused subscriptions");
@@ -1967,7 +1951,7 @@ async fn a_quota_dropped_while_its_subscription_waits_does_not_subscribe() {
         .unwrap();
     let first = quota.try_acquire("first").await.unwrap(); // subscribes: refused
     let end = Instant::now() + Duration::from_secs(5);
-    while rejected_calls(&server, "subscribe") == 0 {
+    while common::rejected_calls_of(&server, "subscribe") == 0 {
         assert!(Instant::now() < end, "the subscription was never tried");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

@@ -169,15 +169,30 @@ pub async fn connect_with_call_timeout(url: &str, call_timeout: Duration) -> Red
 /// How many times the server ran `command` (lower case, e.g. `evalsha`), from `INFO
 /// commandstats`.
 pub fn calls_of(server: &RedisServer, command: &str) -> u64 {
+    command_stat(server, command, "calls")
+}
+
+/// How many calls of `command` the server refused (the ACL, ...), from `INFO commandstats`.
+pub fn rejected_calls_of(server: &RedisServer, command: &str) -> u64 {
+    command_stat(server, command, "rejected_calls")
+}
+
+/// One field of `command`'s line in `INFO commandstats` (0 before its first call).
+fn command_stat(server: &RedisServer, command: &str, field: &str) -> u64 {
     let info = server
         .command(&["INFO", "commandstats"])
         .as_string()
         .unwrap();
-    let prefix = format!("cmdstat_{command}:calls=");
+    let prefix = format!("cmdstat_{command}:");
+    let field = format!("{field}=");
     info.lines()
         .find_map(|line| line.strip_prefix(prefix.as_str()))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
+        .and_then(|stats| {
+            stats
+                .split(',')
+                .find_map(|f| f.strip_prefix(field.as_str()))
+        })
+        .map_or(0, |n| n.trim().parse().unwrap())
 }
 
 /// One acquire and release, so that the scripts are loaded and the events subscribed.
