@@ -1969,3 +1969,68 @@ async fn a_quota_dropped_while_its_subscription_waits_does_not_subscribe() {
     assert_eq!(channels, 0, "a dropped quota subscribed");
     drop(backend);
 }
+
+/// redis-rs resubscribes by itself after it reconnects, but ignores a refused resubscription:
+/// the quota went on believing it listened, heard no event again for the life of the process,
+/// even once the ACL allowed its channel again. Unconfirmed resubscriptions now end the quota's
+/// subscription, so the quota subscribes again itself, hears the refusal, and, once allowed,
+/// events wake its waiters again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resubscription_refused_after_a_reconnect_is_noticed_and_made_again_once_allowed() {
+    let server = RedisServer::start();
+    let url = least_privilege_user(&server);
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    // A long ttl and poll: within a second, only an event wakes the waiter.
+    let quota = Quota::builder("allowed")
+        .limit(1)
+        .ttl(Duration::from_secs(10))
+        .poll_interval(Duration::from_secs(10))
+        .backend(backend)
+        .build()
+        .unwrap();
+    let channel = QuotaKeys::new("allowed").unwrap().events;
+    let holder = quota.try_acquire("holder").await.unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(3), || common::subscribers(
+            &server, &channel
+        ) == 1)
+        .await,
+        "never subscribed"
+    );
+    // The channel is denied, and the connection killed: redis-rs reconnects and resubscribes.
+    server.command(&["ACL", "SETUSER", "lh", "resetchannels"]);
+    server.command(&["CLIENT", "KILL", "USER", "lh"]);
+    assert!(
+        common::eventually(Duration::from_secs(5), || common::rejected_calls_of(
+            &server,
+            "subscribe"
+        ) >= 1)
+        .await,
+        "the resubscription was never refused"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(holder.is_held(), "{:?}", holder.lost_reason());
+    server.command(&["ACL", "SETUSER", "lh", "&leasehold:{allowed}:*"]);
+    // A waiter's acquire subscribes again, now allowed.
+    let waiter = {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.acquire("waiter").await })
+    };
+    let subscribed = common::eventually(Duration::from_secs(5), || {
+        common::subscribers(&server, &channel) == 1
+    })
+    .await;
+    assert!(
+        subscribed,
+        "not subscribed again once the channel was allowed"
+    );
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(Duration::from_secs(1), waiter)
+        .await
+        .expect("the waiter was not woken by the release event")
+        .unwrap()
+        .unwrap();
+    println!("waiter admitted {:?} after the release", released.elapsed());
+    lease.release().await.unwrap();
+}

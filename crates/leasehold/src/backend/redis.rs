@@ -2,7 +2,8 @@
 //!
 //! One `ConnectionManager` per backend carries every command and the Pub/Sub subscriptions
 //! (RESP3 push), reconnects by itself (two attempts per disconnection, then two per call that
-//! finds it down: `new_manager` in `connection.rs`) and resubscribes after a reconnect. All I/O
+//! finds it down: `new_manager` in `connection.rs`) and resubscribes after a reconnect, which is
+//! checked (`resubscription`): redis-rs ignores a refused resubscription. All I/O
 //! runs on the leasehold runtime (see `runtime.rs`), and every call has its own timeout (a
 //! connection attempt to a host that does not answer lasts up to the connect timeout). A
 //! connection whose handshake is refused is rebuilt, spaced (`Link::handshake_failed`). A
@@ -11,7 +12,8 @@
 //!
 //! The modules below: `calls` builds the batched script calls and reads their replies
 //! (`replies`), `epochs` tracks the quota epochs replies report, `errors` sorts Redis errors into
-//! transient and misconfiguration, `connection` builds, replaces and watches the connection.
+//! transient and misconfiguration, `connection` builds, replaces and watches the connection,
+//! `resubscription` finds the channels redis-rs failed to subscribe again after a reconnect.
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
@@ -28,6 +30,7 @@ mod epochs;
 mod errors;
 mod link;
 mod replies;
+mod resubscription;
 
 use self::connection::{
     dispatch_pushes, keep_subscriptions_alive, new_lazy_manager, new_manager, no_connection_within,
@@ -37,6 +40,7 @@ use self::epochs::SeenEpoch;
 use self::errors::{map_error, one_line, refused_at_handshake};
 use self::link::{Link, Next};
 use self::replies::{int, text, versioned_limit};
+use self::resubscription::Resubscriptions;
 use super::batch::Batcher;
 use super::redacted_url::redacted;
 use super::{
@@ -109,6 +113,8 @@ struct Inner {
     options: RedisOptions,
     /// Channel name -> sender of that quota's events, once its SUBSCRIBE is confirmed.
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
+    /// The channels a disconnection dropped, until redis-rs's resubscription is confirmed.
+    resubscriptions: Mutex<Resubscriptions>,
     /// The database number of the URL. Pub/Sub ignores databases, so quotas of one name in two
     /// databases of one server announce on channels of their own (PROTOCOL.md §3).
     db: i64,
@@ -153,6 +159,12 @@ impl Inner {
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<String, broadcast::Sender<QuotaEvent>>> {
         self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn resubscriptions(&self) -> std::sync::MutexGuard<'_, Resubscriptions> {
+        self.resubscriptions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -308,6 +320,7 @@ impl RedisBackend {
             push_tx,
             options,
             channels: Mutex::new(HashMap::new()),
+            resubscriptions: Mutex::new(Resubscriptions::default()),
             db,
             subscribing: tokio::sync::Mutex::new(()),
             epochs: Mutex::new(HashMap::new()),

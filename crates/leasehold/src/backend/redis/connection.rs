@@ -161,12 +161,36 @@ pub(super) async fn keep_subscriptions_alive(inner: Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
+        forget_unconfirmed_resubscriptions(&inner);
         let recently = Instant::now().checked_sub(KEEP_ALIVE);
         if inner.channels().is_empty() || recently.is_some_and(|at| inner.link.answered_since(at)) {
             continue;
         }
         let backend = RedisBackend { inner };
         let _ = backend.call_raw(redis::cmd("PING")).await;
+    }
+}
+
+/// Ends the subscriptions redis-rs did not make again after a reconnect (see
+/// `resubscription.rs`): dropping a channel's sender ends its quota's listener, and the quota
+/// subscribes again itself, which sees and logs a refusal and retries it later.
+fn forget_unconfirmed_resubscriptions(inner: &Inner) {
+    let lost = inner.resubscriptions().unconfirmed(
+        |since| inner.link.answered_since(since),
+        KEEP_ALIVE,
+        Instant::now(),
+    );
+    let mut channels = inner.channels();
+    let lost: Vec<String> = lost
+        .into_iter()
+        .filter(|name| channels.remove(name).is_some())
+        .collect();
+    if !lost.is_empty() {
+        tracing::warn!(
+            ?lost,
+            "channels not subscribed again after a reconnect (refused?): \
+            their quotas subscribe again themselves"
+        );
     }
 }
 
@@ -177,6 +201,13 @@ pub(super) async fn dispatch_pushes(
 ) {
     while let Some(push) = pushes.recv().await {
         let Some(inner) = inner.upgrade() else { return };
+        if push.kind == PushKind::Disconnection {
+            let dropped: Vec<String> = inner.channels().keys().cloned().collect();
+            inner
+                .resubscriptions()
+                .disconnected(dropped, Instant::now());
+            continue;
+        }
         let channel = match push.data.first() {
             Some(Value::BulkString(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
             _ => continue,
@@ -191,7 +222,10 @@ pub(super) async fn dispatch_pushes(
                 }
                 _ => continue,
             },
-            PushKind::Subscribe => QuotaEvent::Resubscribed,
+            PushKind::Subscribe => {
+                inner.resubscriptions().confirmed(&channel);
+                QuotaEvent::Resubscribed
+            }
             _ => continue,
         };
         let channels = inner.channels();
