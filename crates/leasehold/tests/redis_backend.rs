@@ -2034,3 +2034,77 @@ async fn a_resubscription_refused_after_a_reconnect_is_noticed_and_made_again_on
     println!("waiter admitted {:?} after the release", released.elapsed());
     lease.release().await.unwrap();
 }
+
+/// A local lease (granted while Redis could not be reached) hears of a cancel only through the
+/// quota's subscription, so while one lives the quota retries a missing subscription every
+/// second. When the ACL refuses the channel, that sent one refused SUBSCRIBE a second for
+/// nothing, and the lease never heard a cancel. Now the quota reads its local leases' cancel
+/// markers instead, and asks for the subscription again only now and then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_lease_whose_channel_the_acl_refuses_reads_its_cancel_marker_instead() {
+    use leasehold::{BackendDownPolicy, BreakerConfig, BreakerMode, RedisOptions};
+    use leasehold_testkit::proxy::FaultProxy;
+
+    let server = RedisServer::start();
+    least_privilege_user(&server);
+    server.command(&["ACL", "SETUSER", "lh", "resetchannels"]);
+    let proxy = FaultProxy::start(server.port());
+    let timeout = Duration::from_millis(300);
+    let backend = RedisBackend::connect_with(
+        &format!("redis://lh:lh-pw@127.0.0.1:{}/", proxy.port()),
+        RedisOptions {
+            call_timeout: timeout,
+            connect_timeout: timeout,
+            ..RedisOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let quota = Quota::builder("allowed")
+        .limit(2)
+        .ttl(Duration::from_secs(3))
+        .when_backend_down(BackendDownPolicy::FailOpen)
+        .breaker(BreakerConfig {
+            failures_to_open: 2,
+            cool_down: Duration::from_millis(400),
+        })
+        .backend(backend)
+        .build()
+        .unwrap();
+    common::warm_up(&quota).await;
+    proxy.partition(true);
+    let end = Instant::now() + Duration::from_secs(10);
+    while quota.breaker_mode() != BreakerMode::Open {
+        assert!(Instant::now() < end, "the circuit never opened");
+        let _ = quota.try_acquire("probe").await;
+    }
+    let lease = quota.try_acquire("job").await.unwrap();
+    assert!(lease.is_local());
+    proxy.partition(false);
+    // Redis answers again, and refuses the subscription.
+    let before = common::rejected_calls_of(&server, "subscribe");
+    assert!(
+        common::eventually(Duration::from_secs(5), || common::rejected_calls_of(
+            &server,
+            "subscribe"
+        ) > before)
+        .await,
+        "no subscription tried after the outage"
+    );
+    let refused_at = common::rejected_calls_of(&server, "subscribe");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let refused = common::rejected_calls_of(&server, "subscribe") - refused_at;
+    println!("{refused} more refused SUBSCRIBE in 4 s while a local lease lived");
+    assert!(refused <= 1, "{refused} refused subscriptions in 4 s");
+    // Another process cancels the task: the lease hears of it by its marker.
+    let operator = Quota::builder("allowed")
+        .limit(2)
+        .backend(RedisBackend::connect(&server.url()).await.unwrap())
+        .build()
+        .unwrap();
+    let cancelled = Instant::now();
+    operator.cancel("job", "operator stop").await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(3), lease.lost()).await;
+    assert_eq!(heard, Ok(LostReason::Cancelled("operator stop".into())));
+    println!("cancel heard {:?} after it was sent", cancelled.elapsed());
+}

@@ -11,6 +11,10 @@ use crate::error::{Error, FullCause, Result};
 use crate::lease::{Lease, LeaseInner};
 use crate::runtime;
 
+/// While the backend refuses the subscription, the ticks ([`SUBSCRIBE_RETRY`]) between two
+/// attempts of the watch over local leases: enough to notice an ACL fixed meanwhile.
+const REFUSED_SUBSCRIBE_RETRY: u32 = 10;
+
 impl Shared {
     /// Answers an admission the backend could not decide, by the quota's policy. A task that
     /// holds a lease in this process gets that lease back whatever the policy: never a second
@@ -64,7 +68,9 @@ impl Shared {
     /// A local lease hears of a cancel only through the quota's channel, and a process that
     /// holds only local leases makes no backend call that would subscribe again (they are not
     /// renewed). So while any is held, the subscription is retried until it is in place, and
-    /// again whenever it drops.
+    /// again whenever it drops. While the backend refuses it (an ACL without the channel), the
+    /// local leases read their cancel markers instead, and the subscription is asked for only
+    /// every [`REFUSED_SUBSCRIBE_RETRY`] ticks: each refused attempt would be for nothing.
     pub(super) fn listen_while_local_leases_live(self: &Arc<Self>) {
         // SeqCst on both sides: the grant's increment then swap, and the watcher's store then
         // load, must not both read the old value, or nobody would watch.
@@ -74,6 +80,7 @@ impl Shared {
         let shared = Arc::downgrade(self);
         let stop = self.shutdown.clone();
         runtime::spawn(async move {
+            let mut ticks_since_attempt = 0;
             loop {
                 let Some(this) = shared.upgrade() else { return };
                 if this.admissions.local_held.load(Ordering::SeqCst) == 0 {
@@ -86,9 +93,17 @@ impl Shared {
                         return;
                     }
                 }
-                // This task's own tick spaces its attempts: the spacing of waiters' attempts
-                // after a failure would skip every other tick.
-                this.listen_now();
+                if this.subscribe_refused.load(Ordering::Acquire)
+                    && ticks_since_attempt < REFUSED_SUBSCRIBE_RETRY
+                {
+                    this.recheck_local_cancels();
+                    ticks_since_attempt += 1;
+                } else {
+                    ticks_since_attempt = 1;
+                    // This task's own tick spaces its attempts: the spacing of waiters'
+                    // attempts after a failure would skip every other tick.
+                    this.listen_now();
+                }
                 drop(this);
                 tokio::select! {
                     _ = tokio::time::sleep(SUBSCRIBE_RETRY) => {}
