@@ -34,7 +34,7 @@ mod resubscription;
 
 use self::connection::{
     dispatch_pushes, keep_subscriptions_alive, new_lazy_manager, new_manager, no_connection_within,
-    probe, rebuild, tcp_settings,
+    probe, rebuild, tcp_settings, PushSink,
 };
 use self::epochs::SeenEpoch;
 use self::errors::{map_error, one_line, refused_at_handshake};
@@ -109,7 +109,7 @@ struct Inner {
     /// What a replacement connection is built from.
     client: redis::Client,
     /// Every connection's pushes go to the one `dispatch_pushes` task.
-    push_tx: mpsc::UnboundedSender<PushInfo>,
+    pushes: PushSink,
     options: RedisOptions,
     /// Channel name -> sender of that quota's events, once its SUBSCRIBE is confirmed.
     channels: Mutex<HashMap<String, broadcast::Sender<QuotaEvent>>>,
@@ -230,9 +230,9 @@ impl RedisBackend {
                     .into(),
                     _ => map_error(e, ""),
                 })?;
-            let (push_tx, push_rx) = mpsc::unbounded_channel();
-            let conn = new_manager(&client, &options, &push_tx).await?;
-            let backend = RedisBackend::assemble(conn, client, db, options, push_tx, push_rx);
+            let (pushes, push_rx) = mpsc::unbounded_channel();
+            let conn = new_manager(&client, &options, &pushes, 0).await?;
+            let backend = RedisBackend::assemble(conn, client, db, options, pushes, push_rx);
             // Surface authentication and permission problems now, not at the first acquire.
             backend.call_raw(redis::cmd("PING")).await?;
             // Load every script now: a first renewal that has to go EVALSHA, NOSCRIPT, SCRIPT
@@ -295,10 +295,10 @@ impl RedisBackend {
     pub async fn connect_lazy(url: &str, options: RedisOptions) -> Result<Self> {
         let (client, db) = client_for(url, &options)?;
         runtime::run(async move {
-            let (push_tx, push_rx) = mpsc::unbounded_channel();
-            let conn = new_lazy_manager(&client, &options, &push_tx)?;
+            let (pushes, push_rx) = mpsc::unbounded_channel();
+            let conn = new_lazy_manager(&client, &options, &pushes)?;
             Ok(RedisBackend::assemble(
-                conn, client, db, options, push_tx, push_rx,
+                conn, client, db, options, pushes, push_rx,
             ))
         })
         .await
@@ -311,13 +311,13 @@ impl RedisBackend {
         client: redis::Client,
         db: i64,
         options: RedisOptions,
-        push_tx: mpsc::UnboundedSender<PushInfo>,
-        push_rx: mpsc::UnboundedReceiver<PushInfo>,
+        pushes: PushSink,
+        push_rx: mpsc::UnboundedReceiver<(u64, PushInfo)>,
     ) -> RedisBackend {
         let inner = Arc::new(Inner {
             link: Link::new(conn, options.call_timeout),
             client,
-            push_tx,
+            pushes,
             options,
             channels: Mutex::new(HashMap::new()),
             resubscriptions: Mutex::new(Resubscriptions::default()),
@@ -375,6 +375,32 @@ impl RedisBackend {
             epochs: len(&self.inner.epochs),
             acquire_queues: len(&self.inner.acquires),
             release_queues: len(&self.inner.releases),
+        }
+    }
+
+    /// Unsubscribes the connection from `channels`, best effort: a failure leaves them
+    /// subscribed, and their messages unrouted. Call it under the subscribe lock.
+    async fn unsubscribe_quietly(&self, channels: &[String]) {
+        if channels.is_empty() {
+            return;
+        }
+        let result = self
+            .on_link(
+                "",
+                |mut conn| async move { conn.unsubscribe(channels).await },
+            )
+            .await;
+        match result {
+            // An ACL without UNSUBSCRIBE: subscriptions pile up for as long as the process
+            // lives (the channels of every quota it ever used), which the operator should hear
+            // of.
+            Err(e @ Error::Misconfigured(_)) => tracing::warn!(
+                channels = channels.len(),
+                error = %e,
+                "cannot unsubscribe from channels no quota listens to"
+            ),
+            Err(e) => tracing::debug!(error = %e, "unsubscribe failed"),
+            Ok(()) => {}
         }
     }
 
@@ -718,26 +744,7 @@ impl Backend for RedisBackend {
             // Only the subscription goes: a handle of the quota may still live without listening
             // (events off, or not waiting yet), and keeps its per-name state. That state goes
             // with the quota's last handle (`Backend::forget`).
-            if !unheard.is_empty() {
-                // Best effort: a failure leaves them subscribed, and their messages unrouted.
-                let result = this
-                    .on_link("", |mut conn| {
-                        let unheard = &unheard;
-                        async move { conn.unsubscribe(unheard).await }
-                    })
-                    .await;
-                match result {
-                    // An ACL without UNSUBSCRIBE: the subscriptions pile up for as long as the
-                    // process lives, which the operator should hear of.
-                    Err(e @ Error::Misconfigured(_)) => tracing::warn!(
-                        channels = unheard.len(),
-                        error = %e,
-                        "cannot unsubscribe from the channels of dropped quotas"
-                    ),
-                    Err(e) => tracing::debug!(error = %e, "unsubscribe failed"),
-                    Ok(()) => {}
-                }
-            }
+            this.unsubscribe_quietly(&unheard).await;
             // In place before the SUBSCRIBE, so the first messages after it find their way.
             let (sender, receiver) = broadcast::channel(EVENT_CAPACITY);
             this.inner.channels().insert(channel.clone(), sender);
@@ -748,6 +755,14 @@ impl Backend for RedisBackend {
             if let Err(e) = result {
                 // Let the next caller try again.
                 this.inner.channels().remove(&channel);
+                if let Error::Misconfigured(_) = e {
+                    // A channel the server refused may still be on redis-rs's list (confirmed
+                    // before the ACL changed): it would send it with every other channel in
+                    // its one SUBSCRIBE after a reconnect, which the server refuses whole.
+                    // Redis checks no channel rights for UNSUBSCRIBE.
+                    this.unsubscribe_quietly(std::slice::from_ref(&channel))
+                        .await;
+                }
                 return Err(e);
             }
             Ok(receiver)

@@ -35,27 +35,33 @@ impl Shared {
         self.recheck_local_cancels();
     }
 
-    /// Reads the cancel markers of the local leases held: a cancel message sent while nothing
-    /// listened went unheard, and a local lease learns of a cancel only by message (it is never
-    /// renewed). One call per local lease; they exist only around outages.
+    /// Reads the cancel markers of the local leases held, in the background: a cancel message
+    /// sent while nothing listened went unheard.
     pub(super) fn recheck_local_cancels(self: &Arc<Self>) {
+        runtime::spawn(self.clone().read_local_cancel_markers());
+    }
+
+    /// Reads the cancel markers of the local leases held, one after another, and ends the
+    /// leases cancelled meanwhile: a local lease learns of a cancel only by message (it is never
+    /// renewed). One call per local lease; they exist only around outages.
+    pub(super) async fn read_local_cancel_markers(self: Arc<Self>) {
         // Upgraded under the lock, dropped after it: the drop of a lease that is over comes
         // back to this map.
         let held: Vec<Arc<LeaseInner>> = {
             let local = self.admissions.local();
             local.values().filter_map(Weak::upgrade).collect()
         };
-        for lease in held.into_iter().filter(|l| !l.is_over()) {
-            let shared = self.clone();
-            let task_id = lease.task_id.clone();
-            // Weak: a lease dropped while its marker is read is released at once.
-            let lease = Arc::downgrade(&lease);
-            runtime::spawn(async move {
-                let marker = shared.backend.cancel_reason(&shared.keys, &task_id).await;
-                if let (Ok(Some(reason)), Some(lease)) = (marker, lease.upgrade()) {
-                    lease.mark_lost(LostReason::Cancelled(reason));
-                }
-            });
+        // Weak while a marker is read: a lease dropped meanwhile is released at once.
+        let held: Vec<(String, Weak<LeaseInner>)> = held
+            .into_iter()
+            .filter(|l| !l.is_over())
+            .map(|l| (l.task_id.clone(), Arc::downgrade(&l)))
+            .collect();
+        for (task_id, lease) in held {
+            let marker = self.backend.cancel_reason(&self.keys, &task_id).await;
+            if let (Ok(Some(reason)), Some(lease)) = (marker, lease.upgrade()) {
+                lease.mark_lost(LostReason::Cancelled(reason));
+            }
         }
     }
 

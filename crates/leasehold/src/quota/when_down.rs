@@ -6,6 +6,7 @@ use std::sync::{Arc, Weak};
 use super::attempt::Attempt;
 use super::listening::SUBSCRIBE_RETRY;
 use super::Shared;
+use crate::breaker::BreakerMode;
 use crate::config::BackendDownPolicy;
 use crate::error::{Error, FullCause, Result};
 use crate::lease::{Lease, LeaseInner};
@@ -93,17 +94,19 @@ impl Shared {
                         return;
                     }
                 }
-                if this.subscribe_refused.load(Ordering::Acquire)
-                    && ticks_since_attempt < REFUSED_SUBSCRIBE_RETRY
-                {
-                    this.recheck_local_cancels();
-                    ticks_since_attempt += 1;
-                } else {
-                    ticks_since_attempt = 1;
+                let refused = this.subscribe_refused.load(Ordering::Acquire);
+                // Not while the short-circuit says the backend is down: each read would wait on
+                // it, for nothing.
+                if refused && this.breaker.mode() != BreakerMode::Open {
+                    this.clone().read_local_cancel_markers().await;
+                }
+                if !refused || ticks_since_attempt >= REFUSED_SUBSCRIBE_RETRY {
+                    ticks_since_attempt = 0;
                     // This task's own tick spaces its attempts: the spacing of waiters'
                     // attempts after a failure would skip every other tick.
                     this.listen_now();
                 }
+                ticks_since_attempt += 1;
                 drop(this);
                 tokio::select! {
                     _ = tokio::time::sleep(SUBSCRIBE_RETRY) => {}

@@ -9,13 +9,13 @@ use async_trait::async_trait;
 use leasehold::backend::{
     AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
 };
-use leasehold::{Backend, Error, MemoryBackend, QuotaKeys, Result};
+use leasehold::{Backend, Error, MemoryBackend, Misconfiguration, QuotaKeys, Result};
 use tokio::sync::{broadcast, Notify};
 
 /// The memory backend, with a switch that takes it "down" (every call fails transiently, as an
 /// unreachable Redis would), one for renewals only, one that delivers some tasks' acquire
 /// answers late (decided at once, answered after [`LATE_ANSWER`]), one that makes subscribes
-/// take that long, one that holds releases back: they fail as if they timed out,
+/// take that long, one that refuses subscribes, one that holds releases back: they fail as if they timed out,
 /// and reach the backend only when the test delivers them, as a proxy that held a replaced
 /// connection's bytes would, and delays that make renewals or releases slow (a slow link).
 #[derive(Debug, Default)]
@@ -27,6 +27,9 @@ pub struct Switchable {
     held_back: Mutex<Vec<(QuotaKeys, String, Option<u64>)>>,
     answered_late: Mutex<HashSet<String>>,
     slow_subscribe: AtomicBool,
+    refuse_subscribe: AtomicBool,
+    /// Cancel markers read (`cancel_reason` calls, answered or not).
+    pub marker_reads: AtomicU64,
     /// Notified when an acquire answer that will come late was decided.
     pub decided_late: Notify,
     /// How long each renewal and each release takes, in ms (0: no delay).
@@ -71,6 +74,11 @@ impl Switchable {
     /// Subscribes take [`LATE_ANSWER`] (a slow link, or one queued behind other subscribes).
     pub fn slow_subscribe(&self, slow: bool) {
         self.slow_subscribe.store(slow, Ordering::SeqCst);
+    }
+
+    /// Subscribes are refused as an ACL without the quota's channel would refuse them.
+    pub fn refuse_subscribe(&self, refuse: bool) {
+        self.refuse_subscribe.store(refuse, Ordering::SeqCst);
     }
 
     /// Each renewal takes `delay` from now on (its start notifies [`renewing`](Self::renewing)).
@@ -168,6 +176,7 @@ impl Backend for Switchable {
         self.inner.cancel(keys, id, reason, ttl).await
     }
     async fn cancel_reason(&self, keys: &QuotaKeys, id: &str) -> Result<Option<String>> {
+        self.marker_reads.fetch_add(1, Ordering::SeqCst);
         self.up()?;
         self.inner.cancel_reason(keys, id).await
     }
@@ -179,6 +188,12 @@ impl Backend for Switchable {
         self.up()?;
         if self.slow_subscribe.load(Ordering::SeqCst) {
             tokio::time::sleep(LATE_ANSWER).await;
+        }
+        if self.refuse_subscribe.load(Ordering::SeqCst) {
+            return Err(Misconfiguration::NoPermission(
+                "this user has no permissions to access the channel".into(),
+            )
+            .into());
         }
         self.inner.subscribe(keys).await
     }

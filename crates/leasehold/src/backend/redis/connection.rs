@@ -27,11 +27,18 @@ pub(super) fn no_connection_within(timeout: Duration) -> Error {
     Error::BackendUnavailable(format!("no connection within {timeout:?}"))
 }
 
-/// The settings of every connection of a backend: the first and its replacements.
+/// Where every connection manager of a backend sends its pushes, each tagged with the link
+/// generation the manager serves (`Link::generation`): a manager replaced by a rebuild may still
+/// report its own disconnections and resubscriptions, which are not the current connection's.
+pub(super) type PushSink = mpsc::UnboundedSender<(u64, PushInfo)>;
+
+/// The settings of every connection of a backend: the first and its replacements, each made
+/// for the link generation `generation`.
 pub(super) async fn new_manager(
     client: &redis::Client,
     options: &RedisOptions,
-    push_tx: &mpsc::UnboundedSender<PushInfo>,
+    pushes: &PushSink,
+    generation: u64,
 ) -> Result<ConnectionManager> {
     let timeout = options.call_timeout;
     // Two connection attempts per reconnection, 50–100 ms apart: a call made while redis-rs
@@ -44,7 +51,10 @@ pub(super) async fn new_manager(
     // reset, which no call could tell from a command cut short, so none retries it.
     tokio::time::timeout(
         timeout,
-        ConnectionManager::new_with_config(client.clone(), manager_config(options, push_tx)),
+        ConnectionManager::new_with_config(
+            client.clone(),
+            manager_config(options, pushes, generation),
+        ),
     )
     .await
     .map_err(|_| no_connection_within(timeout))?
@@ -56,22 +66,24 @@ pub(super) async fn new_manager(
 pub(super) fn new_lazy_manager(
     client: &redis::Client,
     options: &RedisOptions,
-    push_tx: &mpsc::UnboundedSender<PushInfo>,
+    pushes: &PushSink,
 ) -> Result<ConnectionManager> {
-    ConnectionManager::new_lazy_with_config(client.clone(), manager_config(options, push_tx))
+    ConnectionManager::new_lazy_with_config(client.clone(), manager_config(options, pushes, 0))
         .map_err(|e| map_error(e, ""))
 }
 
 fn manager_config(
     options: &RedisOptions,
-    push_tx: &mpsc::UnboundedSender<PushInfo>,
+    pushes: &PushSink,
+    generation: u64,
 ) -> ConnectionManagerConfig {
+    let pushes = pushes.clone();
     ConnectionManagerConfig::new()
         .set_number_of_retries(1)
         .set_min_delay(Duration::from_millis(50))
         .set_connection_timeout(Some(options.connect_timeout))
         .set_response_timeout(Some(options.call_timeout))
-        .set_push_sender(push_tx.clone())
+        .set_push_sender(move |push| pushes.send((generation, push)))
         .set_automatic_resubscription()
 }
 
@@ -102,7 +114,10 @@ pub(super) fn rebuild(
             call_timeout = ?inner.options.call_timeout,
             "redis connection {why}: replacing it"
         );
-        let conn = match new_manager(&inner.client, &inner.options, &inner.push_tx).await {
+        // Rebuilds run one at a time: the new connection's generation is the next one.
+        let generation = inner.link.generation() + 1;
+        let conn = match new_manager(&inner.client, &inner.options, &inner.pushes, generation).await
+        {
             Ok(conn) => conn,
             Err(e) => {
                 tracing::warn!(error = %e, "no replacement redis connection; retrying later");
@@ -161,7 +176,7 @@ pub(super) async fn keep_subscriptions_alive(inner: Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        forget_unconfirmed_resubscriptions(&inner);
+        forget_unconfirmed_resubscriptions(&inner).await;
         let recently = Instant::now().checked_sub(KEEP_ALIVE);
         if inner.channels().is_empty() || recently.is_some_and(|at| inner.link.answered_since(at)) {
             continue;
@@ -174,34 +189,55 @@ pub(super) async fn keep_subscriptions_alive(inner: Weak<Inner>) {
 /// Ends the subscriptions redis-rs did not make again after a reconnect (see
 /// `resubscription.rs`): dropping a channel's sender ends its quota's listener, and the quota
 /// subscribes again itself, which sees and logs a refusal and retries it later.
-fn forget_unconfirmed_resubscriptions(inner: &Inner) {
+///
+/// Each is also unsubscribed, under the subscribe lock so that its quota's own SUBSCRIBE comes
+/// after: redis-rs keeps every channel it once saw confirmed, and sends them all in one SUBSCRIBE
+/// at its next reconnect, which an ACL refuses whole for one refused channel.
+async fn forget_unconfirmed_resubscriptions(inner: &Arc<Inner>) {
     let lost = inner.resubscriptions().unconfirmed(
         |since| inner.link.answered_since(since),
         KEEP_ALIVE,
         Instant::now(),
     );
-    let mut channels = inner.channels();
-    let lost: Vec<String> = lost
-        .into_iter()
-        .filter(|name| channels.remove(name).is_some())
-        .collect();
-    if !lost.is_empty() {
-        tracing::warn!(
-            ?lost,
-            "channels not subscribed again after a reconnect (refused?): \
-            their quotas subscribe again themselves"
-        );
+    if lost.is_empty() {
+        return;
     }
+    let _one_at_a_time = inner.subscribing.lock().await;
+    let lost: Vec<String> = {
+        let mut channels = inner.channels();
+        lost.into_iter()
+            .filter(|name| channels.remove(name).is_some())
+            .collect()
+    };
+    if lost.is_empty() {
+        return;
+    }
+    tracing::warn!(
+        ?lost,
+        "channels not confirmed subscribed after a reconnect (refused, or the reconnection \
+         failed): their quotas subscribe again themselves"
+    );
+    RedisBackend {
+        inner: inner.clone(),
+    }
+    .unsubscribe_quietly(&lost)
+    .await;
 }
 
 /// Routes RESP3 push messages to the quota whose channel they came from.
 pub(super) async fn dispatch_pushes(
     inner: Weak<Inner>,
-    mut pushes: mpsc::UnboundedReceiver<PushInfo>,
+    mut pushes: mpsc::UnboundedReceiver<(u64, PushInfo)>,
 ) {
-    while let Some(push) = pushes.recv().await {
+    while let Some((generation, push)) = pushes.recv().await {
         let Some(inner) = inner.upgrade() else { return };
+        // A replaced connection's own disconnection and resubscriptions say nothing of the
+        // current one's subscriptions; its messages are still delivered.
+        let current = generation == inner.link.generation();
         if push.kind == PushKind::Disconnection {
+            if !current {
+                continue;
+            }
             let dropped: Vec<String> = inner.channels().keys().cloned().collect();
             inner
                 .resubscriptions()
@@ -223,7 +259,9 @@ pub(super) async fn dispatch_pushes(
                 _ => continue,
             },
             PushKind::Subscribe => {
-                inner.resubscriptions().confirmed(&channel);
+                if current {
+                    inner.resubscriptions().confirmed(&channel);
+                }
                 QuotaEvent::Resubscribed
             }
             _ => continue,

@@ -210,6 +210,11 @@ impl<C: Clone> Link<C> {
         self.lock().rebuilding = false;
     }
 
+    /// How many times the connection was replaced: 0 for the backend's first connection.
+    pub(super) fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
     /// Rebuilds started since the backend connected.
     pub(super) fn rebuilds(&self) -> u64 {
         self.lock().rebuilds
