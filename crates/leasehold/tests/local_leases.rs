@@ -224,3 +224,38 @@ async fn local_leases_of(q: &Quota, n: usize) -> Vec<leasehold::Lease> {
     }
     leases
 }
+
+/// While the backend refuses the subscription and only local leases are held (they make no
+/// call that would subscribe), the quota asks for it again every 10 s, not every second: an ACL
+/// fixed meanwhile is noticed without a call from the application.
+#[tokio::test]
+async fn a_refused_subscription_is_asked_for_again_every_ten_seconds_while_local_leases_live() {
+    use std::sync::atomic::Ordering;
+    let backend = Arc::new(Switchable::default());
+    backend.refuse_subscribe(true);
+    let q = quota(
+        &backend,
+        BackendDownPolicy::FailOpen,
+        Duration::from_millis(100),
+    );
+    q.try_acquire("warm")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    backend.set_down(true);
+    let lease = q.try_acquire("job").await.unwrap();
+    assert!(lease.is_local());
+    backend.set_down(false);
+    let before = backend.subscribes.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(12_500)).await;
+    let asked = backend.subscribes.load(Ordering::SeqCst) - before;
+    println!("{asked} subscriptions asked for in 12.5 s");
+    // The watch's first tick, then one 10 ticks later; one each second would be 12 or 13.
+    assert!(
+        (2..=3).contains(&asked),
+        "{asked} subscriptions asked for in 12.5 s"
+    );
+    assert!(lease.is_held());
+}

@@ -30,6 +30,8 @@ pub struct Switchable {
     refuse_subscribe: AtomicBool,
     /// Cancel markers read (`cancel_reason` calls, answered or not).
     pub marker_reads: AtomicU64,
+    /// Subscribe calls (answered, refused or failed).
+    pub subscribes: AtomicU64,
     /// Notified when an acquire answer that will come late was decided.
     pub decided_late: Notify,
     /// How long each renewal and each release takes, in ms (0: no delay).
@@ -185,6 +187,7 @@ impl Backend for Switchable {
         self.inner.snapshot(keys).await
     }
     async fn subscribe(&self, keys: &QuotaKeys) -> Result<broadcast::Receiver<QuotaEvent>> {
+        self.subscribes.fetch_add(1, Ordering::SeqCst);
         self.up()?;
         if self.slow_subscribe.load(Ordering::SeqCst) {
             tokio::time::sleep(LATE_ANSWER).await;
