@@ -252,7 +252,8 @@ async fn a_refused_subscription_is_asked_for_again_every_ten_seconds_while_local
     tokio::time::sleep(Duration::from_millis(12_500)).await;
     let asked = backend.subscribes.load(Ordering::SeqCst) - before;
     println!("{asked} subscriptions asked for in 12.5 s");
-    // The watch's first tick, then one 10 ticks later; one each second would be 12 or 13.
+    // The local grant's own attempt, spaced a second after the warm-up's refusal, then the
+    // watch's, 10 ticks after its first; one each second would be 12 or 13.
     assert!(
         (2..=3).contains(&asked),
         "{asked} subscriptions asked for in 12.5 s"

@@ -2169,7 +2169,7 @@ async fn a_channel_the_acl_refuses_does_not_cost_the_others_their_subscription_a
     }
     println!("after the second reconnect a had no subscription for {deaf:?} of 5 s");
     assert!(
-        deaf < Duration::from_millis(500),
+        deaf < Duration::from_secs(1),
         "a, allowed, unsubscribed for {deaf:?} after a plain reconnect"
     );
 }
