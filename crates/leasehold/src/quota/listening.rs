@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::Shared;
-use crate::breaker::BreakerMode;
+use crate::breaker::{BreakerMode, Permit};
 use crate::error::{Error, LostReason, Result};
 use crate::lease::LeaseInner;
 use crate::runtime;
@@ -43,7 +43,10 @@ impl Shared {
 
     /// Reads the cancel markers of the local leases held, one after another, and ends the
     /// leases cancelled meanwhile: a local lease learns of a cancel only by message (it is never
-    /// renewed). One call per local lease; they exist only around outages.
+    /// renewed). One call per local lease; they exist only around outages, so each read asks
+    /// the short-circuit first and feeds it, like any call: while the backend is down the
+    /// round stops at the first refusal or failure, and after the cool-down its first read is
+    /// the probe.
     pub(super) async fn read_local_cancel_markers(self: Arc<Self>) {
         // Upgraded under the lock, dropped after it: the drop of a lease that is over comes
         // back to this map.
@@ -58,9 +61,21 @@ impl Shared {
             .map(|l| (l.task_id.clone(), Arc::downgrade(&l)))
             .collect();
         for (task_id, lease) in held {
+            if lease.strong_count() == 0 {
+                continue;
+            }
+            if self.breaker.permit() == Permit::Reject {
+                return;
+            }
+            let sent = Instant::now();
             let marker = self.backend.cancel_reason(&self.keys, &task_id).await;
-            if let (Ok(Some(reason)), Some(lease)) = (marker, lease.upgrade()) {
-                lease.mark_lost(LostReason::Cancelled(reason));
+            self.record_backend_result(&marker, sent);
+            match (marker, lease.upgrade()) {
+                (Ok(Some(reason)), Some(lease)) => {
+                    lease.mark_lost(LostReason::Cancelled(reason));
+                }
+                (Err(Error::BackendUnavailable(_)), _) => return,
+                _ => {}
             }
         }
     }

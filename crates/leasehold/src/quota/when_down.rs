@@ -6,7 +6,6 @@ use std::sync::{Arc, Weak};
 use super::attempt::Attempt;
 use super::listening::SUBSCRIBE_RETRY;
 use super::Shared;
-use crate::breaker::BreakerMode;
 use crate::config::BackendDownPolicy;
 use crate::error::{Error, FullCause, Result};
 use crate::lease::{Lease, LeaseInner};
@@ -95,9 +94,7 @@ impl Shared {
                     }
                 }
                 let refused = this.subscribe_refused.load(Ordering::Acquire);
-                // Not while the short-circuit says the backend is down: each read would wait on
-                // it, for nothing.
-                if refused && this.breaker.mode() != BreakerMode::Open {
+                if refused {
                     this.clone().read_local_cancel_markers().await;
                 }
                 if !refused || ticks_since_attempt >= REFUSED_SUBSCRIBE_RETRY {

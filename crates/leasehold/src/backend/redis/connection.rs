@@ -194,15 +194,17 @@ pub(super) async fn keep_subscriptions_alive(inner: Weak<Inner>) {
 /// after: redis-rs keeps every channel it once saw confirmed, and sends them all in one SUBSCRIBE
 /// at its next reconnect, which an ACL refuses whole for one refused channel.
 async fn forget_unconfirmed_resubscriptions(inner: &Arc<Inner>) {
+    if !inner.resubscriptions().awaited() {
+        return;
+    }
+    // Read under the lock: a subscribe (or a rebuild's) that held it may have just confirmed
+    // one of them on the current connection.
+    let _one_at_a_time = inner.subscribing.lock().await;
     let lost = inner.resubscriptions().unconfirmed(
         |since| inner.link.answered_since(since),
         KEEP_ALIVE,
         Instant::now(),
     );
-    if lost.is_empty() {
-        return;
-    }
-    let _one_at_a_time = inner.subscribing.lock().await;
     let lost: Vec<String> = {
         let mut channels = inner.channels();
         lost.into_iter()

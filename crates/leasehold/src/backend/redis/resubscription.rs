@@ -32,6 +32,11 @@ impl Resubscriptions {
         self.answered_at = None;
     }
 
+    /// Whether some channel still awaits its confirmation.
+    pub(super) fn awaited(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// The server confirmed a subscription to `channel`.
     pub(super) fn confirmed(&mut self, channel: &str) {
         self.pending.remove(channel);
