@@ -333,3 +333,156 @@ async fn without_a_safety_margin_the_local_deadline_still_comes_first() {
         "only {tried_while_held} of 40 rounds had an attempt answered while the lease was held"
     );
 }
+
+/// Renewals racing releases in a tight loop (the fault scenarios' F22): two workers (each its
+/// own connection) of 2 tasks on a limit of 4, a 60 ms ttl renewed every 15 ms, 1000 admissions
+/// held 0–20 ms (across renewals or between them) and released or dropped, every tenth ask given
+/// up after 1 ms. No renewal may outlive a release: once `release` returned, its task id never
+/// shows in Redis again, and the lease says `Released`, not lost. Redis never counts more than
+/// the limit, every admission has its own token, and nothing is left once both workers let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_racing_releases_in_a_tight_loop_leave_nothing_behind() {
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    let server = Arc::new(RedisServer::start());
+    let name = common::unique("race");
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let backend = common::connect(&server.url()).await;
+        let quota = common::quota_with(backend, &name, 4, Duration::from_millis(60))
+            .heartbeat(Duration::from_millis(15))
+            .build()
+            .unwrap();
+        workers.push(quota);
+    }
+    let leases_key = format!("leasehold:{{{name}}}:leases");
+    let holders_key = format!("leasehold:{{{name}}}:holders");
+    // Task ids whose `release` returned: none may show in Redis afterwards.
+    let released = Arc::new(Mutex::new(HashSet::<String>::new()));
+    let done = Arc::new(AtomicBool::new(false));
+    let most = Arc::new(AtomicI64::new(0));
+    let reappeared = Arc::new(Mutex::new(Vec::<String>::new()));
+    let sampler = {
+        let (server, done, most) = (server.clone(), done.clone(), most.clone());
+        let (released, reappeared, key) =
+            (released.clone(), reappeared.clone(), leases_key.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::SeqCst) {
+                // Read before the members: an id released after this read may still show.
+                let gone = released.lock().unwrap().clone();
+                let members = match server.command(&["ZRANGE", &key, "0", "-1"]) {
+                    leasehold_testkit::Reply::Array(v) => v,
+                    _ => Vec::new(),
+                };
+                most.fetch_max(members.len() as i64, Ordering::SeqCst);
+                for member in members.iter().filter_map(|m| m.as_string()) {
+                    if gone.contains(&member) {
+                        reappeared.lock().unwrap().push(member);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let (lost, not_released, given_up) = (
+        Arc::new(AtomicI64::new(0)),
+        Arc::new(AtomicI64::new(0)),
+        Arc::new(AtomicI64::new(0)),
+    );
+    let tasks: Vec<_> = (0..4u64)
+        .map(|t| {
+            let quota = workers[(t % 2) as usize].clone();
+            let (tokens, released) = (tokens.clone(), released.clone());
+            let (lost, not_released, given_up) =
+                (lost.clone(), not_released.clone(), given_up.clone());
+            tokio::spawn(async move {
+                for i in 0..250u64 {
+                    let id = format!("t{t}-{i}");
+                    if i % 10 == 9 {
+                        // Given up at once: a slot a late reply took is let go in the background.
+                        if quota
+                            .acquire_timeout(&id, Duration::from_millis(1))
+                            .await
+                            .is_err()
+                        {
+                            given_up.fetch_add(1, Ordering::SeqCst);
+                            continue;
+                        }
+                    }
+                    let lease = quota
+                        .acquire_timeout(&id, Duration::from_secs(5))
+                        .await
+                        .unwrap();
+                    tokens.lock().unwrap().push(lease.fencing_token());
+                    // 0–20 ms: some end before the first renewal, some after a few.
+                    tokio::time::sleep(Duration::from_millis((i * 7 + t) % 21)).await;
+                    if !lease.is_held() {
+                        // A renewal late under load: the lease ended at its local deadline.
+                        lost.fetch_add(1, Ordering::SeqCst);
+                        continue;
+                    }
+                    if i % 3 == 0 {
+                        drop(lease);
+                        continue;
+                    }
+                    lease.release().await.unwrap();
+                    released.lock().unwrap().insert(id);
+                    // Its local deadline may have passed just before the release, under load.
+                    let ended_on_time = lease.lost_reason() == Some(LostReason::LocalDeadline)
+                        && lease.local_deadline() <= std::time::Instant::now();
+                    if lease.lost_reason() != Some(LostReason::Released) && !ended_on_time {
+                        not_released.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("the loop did not finish")
+            .unwrap();
+    }
+    for quota in &workers {
+        quota.flush().await;
+    }
+    // Nothing left: every release and drop reached Redis, and no renewal re-added a lease.
+    let left = common::eventually(Duration::from_secs(1), || {
+        server.command(&["ZCARD", &leases_key]).as_int() == Some(0)
+            && server.command(&["HLEN", &holders_key]).as_int() == Some(0)
+    })
+    .await;
+    done.store(true, Ordering::SeqCst);
+    sampler.join().unwrap();
+    let tokens = tokens.lock().unwrap();
+    let distinct: HashSet<_> = tokens.iter().collect();
+    let most = most.load(Ordering::SeqCst);
+    let reappeared = reappeared.lock().unwrap();
+    println!(
+        "{} admissions ({} asks given up), {} released and checked, most held at once in Redis \
+         {most}, {} ended by their local deadline",
+        tokens.len(),
+        given_up.load(Ordering::SeqCst),
+        released.lock().unwrap().len(),
+        lost.load(Ordering::SeqCst)
+    );
+    assert!(
+        reappeared.is_empty(),
+        "back in Redis after their release returned: {reappeared:?}"
+    );
+    assert_eq!(
+        not_released.load(Ordering::SeqCst),
+        0,
+        "a released lease said another reason"
+    );
+    assert!(
+        left,
+        "leases left in Redis after both workers let go of all of them"
+    );
+    assert_eq!(distinct.len(), tokens.len(), "a fencing token issued twice");
+    assert!(tokens.len() >= 900, "only {} admissions", tokens.len());
+    assert!(most <= 4, "Redis counted {most} leases on a limit of 4");
+}
