@@ -1,5 +1,6 @@
 //! A backend wrapper that counts the acquire answers "full" per task id, so that a test can wait
-//! (bounded) until a waiter was refused and is in line, on either backend, and the renew calls;
+//! (bounded) until a waiter was refused and is in line, on either backend, the admission
+//! attempts and the renew calls;
 //! and that can be taken "down", on either backend.
 
 use std::collections::HashMap;
@@ -21,6 +22,7 @@ pub struct Counting {
     inner: Arc<dyn Backend>,
     refused: Mutex<HashMap<String, u64>>,
     renewals: AtomicU64,
+    attempts: AtomicU64,
     down: AtomicBool,
 }
 
@@ -30,6 +32,7 @@ impl Counting {
             inner,
             refused: Mutex::default(),
             renewals: AtomicU64::new(0),
+            attempts: AtomicU64::new(0),
             down: AtomicBool::new(false),
         })
     }
@@ -50,6 +53,11 @@ impl Counting {
     /// How many renew calls went to the backend (answered or not).
     pub fn renewals(&self) -> u64 {
         self.renewals.load(Ordering::SeqCst)
+    }
+
+    /// How many admission attempts (one per task id) went to the backend.
+    pub fn attempts(&self) -> u64 {
+        self.attempts.load(Ordering::SeqCst)
     }
 
     /// How many acquires of `task_id` the backend answered "full".
@@ -79,6 +87,7 @@ impl Backend for Counting {
         limit: VersionedLimit,
     ) -> Result<AcquireReply> {
         self.up()?;
+        self.attempts.fetch_add(1, Ordering::SeqCst);
         let answer = self.inner.acquire_with_limit(keys, id, ttl, limit).await;
         if let Ok(AcquireReply::Full { .. }) = answer {
             *self
