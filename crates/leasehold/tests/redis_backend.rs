@@ -2112,8 +2112,8 @@ async fn a_local_lease_whose_channel_the_acl_refuses_reads_its_cancel_marker_ins
 /// redis-rs sends every channel it once saw confirmed in one SUBSCRIBE after each reconnect,
 /// and the ACL refuses the whole command for one denied channel: a quota whose channel was
 /// denied cost every other quota of the backend its subscription at each later reconnect, for
-/// seconds (4.6 s of 8 in the review that found it). A refused channel is now unsubscribed,
-/// which takes it off redis-rs's list.
+/// seconds (4.6 s of 8 in the review that found it). A channel whose resubscription went
+/// unconfirmed is now unsubscribed, which takes it off redis-rs's list.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_channel_the_acl_refuses_does_not_cost_the_others_their_subscription_at_a_reconnect() {
     let server = RedisServer::start();

@@ -755,14 +755,6 @@ impl Backend for RedisBackend {
             if let Err(e) = result {
                 // Let the next caller try again.
                 this.inner.channels().remove(&channel);
-                if let Error::Misconfigured(_) = e {
-                    // A channel the server refused may still be on redis-rs's list (confirmed
-                    // before the ACL changed): it would send it with every other channel in
-                    // its one SUBSCRIBE after a reconnect, which the server refuses whole.
-                    // Redis checks no channel rights for UNSUBSCRIBE.
-                    this.unsubscribe_quietly(std::slice::from_ref(&channel))
-                        .await;
-                }
                 return Err(e);
             }
             Ok(receiver)

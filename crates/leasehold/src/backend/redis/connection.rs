@@ -192,7 +192,9 @@ pub(super) async fn keep_subscriptions_alive(inner: Weak<Inner>) {
 ///
 /// Each is also unsubscribed, under the subscribe lock so that its quota's own SUBSCRIBE comes
 /// after: redis-rs keeps every channel it once saw confirmed, and sends them all in one SUBSCRIBE
-/// at its next reconnect, which an ACL refuses whole for one refused channel.
+/// at its next reconnect, which an ACL refuses whole for one refused channel. (Redis checks no
+/// channel rights for UNSUBSCRIBE.) A channel refused without ever being confirmed is not on
+/// that list.
 async fn forget_unconfirmed_resubscriptions(inner: &Arc<Inner>) {
     if !inner.resubscriptions().awaited() {
         return;
@@ -235,9 +237,9 @@ pub(super) async fn dispatch_pushes(
         let Some(inner) = inner.upgrade() else { return };
         // A replaced connection's own disconnection and resubscriptions say nothing of the
         // current one's subscriptions; its messages are still delivered.
-        let current = generation == inner.link.generation();
+        let current = || generation == inner.link.generation();
         if push.kind == PushKind::Disconnection {
-            if !current {
+            if !current() {
                 continue;
             }
             let dropped: Vec<String> = inner.channels().keys().cloned().collect();
@@ -261,7 +263,7 @@ pub(super) async fn dispatch_pushes(
                 _ => continue,
             },
             PushKind::Subscribe => {
-                if current {
+                if current() {
                     inner.resubscriptions().confirmed(&channel);
                 }
                 QuotaEvent::Resubscribed
