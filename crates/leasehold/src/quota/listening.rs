@@ -48,20 +48,16 @@ impl Shared {
     /// round stops at the first refusal or failure, and after the cool-down its first read is
     /// the probe.
     pub(super) async fn read_local_cancel_markers(self: Arc<Self>) {
-        // Upgraded under the lock, dropped after it: the drop of a lease that is over comes
-        // back to this map.
-        let held: Vec<Arc<LeaseInner>> = {
-            let local = self.admissions.local();
-            local.values().filter_map(Weak::upgrade).collect()
-        };
-        // Weak while a marker is read: a lease dropped meanwhile is released at once.
-        let held: Vec<(String, Weak<LeaseInner>)> = held
-            .into_iter()
-            .filter(|l| !l.is_over())
-            .map(|l| (l.task_id.clone(), Arc::downgrade(&l)))
+        // Weak, and upgraded only out of the lock: the drop of a lease that is over comes back
+        // to this map; and a lease dropped while its marker is read is released at once.
+        let held: Vec<(String, Weak<LeaseInner>)> = self
+            .admissions
+            .local()
+            .iter()
+            .map(|(task_id, lease)| (task_id.clone(), lease.clone()))
             .collect();
         for (task_id, lease) in held {
-            if lease.strong_count() == 0 {
+            if lease.upgrade().is_none_or(|l| l.is_over()) {
                 continue;
             }
             if self.breaker.permit() == Permit::Reject {
