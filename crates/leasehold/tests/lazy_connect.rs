@@ -2,6 +2,8 @@
 //! their backend-down policy meanwhile, and once Redis is up they admit in Redis and hear its
 //! events, with no restart of the process.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use leasehold::{
@@ -89,14 +91,8 @@ async fn a_worker_started_while_redis_is_down_admits_by_its_policy_then_in_redis
         tokio::spawn(async move { closed.acquire("waiter").await })
     };
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let released = Instant::now();
-    holder.release().await.unwrap();
-    let served = tokio::time::timeout(Duration::from_secs(5), waiter)
-        .await
-        .expect("the waiter was served")
-        .unwrap()
-        .unwrap();
-    let woken_after = released.elapsed();
+    let (served, woken_after) =
+        common::release_then_served(&holder, waiter, Duration::from_secs(5)).await;
     println!(
         "connect_lazy returned in {connected_in:?}; first admission in Redis {admitted_after:?} \
          after the restart; waiter served {woken_after:?} after a release"

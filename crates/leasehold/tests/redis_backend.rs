@@ -599,6 +599,26 @@ fn least_privilege_user_for(server: &RedisServer, pattern: &str) -> String {
     format!("redis://lh:lh-pw@127.0.0.1:{}/", server.port())
 }
 
+/// The user of [`least_privilege_user`] with no channel allowed: its quotas' subscriptions are
+/// refused. Returns its URL.
+fn least_privilege_user_without_channels(server: &RedisServer) -> String {
+    let url = least_privilege_user(server);
+    server.command(&["ACL", "SETUSER", "lh", "resetchannels"]);
+    url
+}
+
+/// A quota of `name` with one slot whose waiters, within seconds, only a release event can
+/// wake: ttl and poll interval of 10 s.
+fn woken_only_by_events(name: &str, backend: &RedisBackend) -> Quota {
+    Quota::builder(name)
+        .limit(1)
+        .ttl(Duration::from_secs(10))
+        .poll_interval(Duration::from_secs(10))
+        .backend(backend.clone())
+        .build()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
     let server = RedisServer::start();
@@ -1915,8 +1935,7 @@ fn a_backend_dropped_during_an_outage_stops_reconnecting() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_the_acl_refuses_is_not_retried_by_every_renewal() {
     let server = RedisServer::start();
-    let url = least_privilege_user(&server);
-    server.command(&["ACL", "SETUSER", "lh", "resetchannels"]);
+    let url = least_privilege_user_without_channels(&server);
     let backend = RedisBackend::connect(&url).await.unwrap();
     let quota = Quota::builder("allowed")
         .limit(1)
@@ -1940,8 +1959,7 @@ async fn a_subscription_the_acl_refuses_is_not_retried_by_every_renewal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quota_dropped_while_its_subscription_waits_does_not_subscribe() {
     let server = RedisServer::start();
-    let url = least_privilege_user(&server);
-    server.command(&["ACL", "SETUSER", "lh", "resetchannels"]);
+    let url = least_privilege_user_without_channels(&server);
     let backend = RedisBackend::connect(&url).await.unwrap();
     let quota = Quota::builder("allowed")
         .limit(2)
@@ -1980,14 +1998,8 @@ async fn a_resubscription_refused_after_a_reconnect_is_noticed_and_made_again_on
     let server = RedisServer::start();
     let url = least_privilege_user(&server);
     let backend = RedisBackend::connect(&url).await.unwrap();
-    // A long ttl and poll: within a second, only an event wakes the waiter.
-    let quota = Quota::builder("allowed")
-        .limit(1)
-        .ttl(Duration::from_secs(10))
-        .poll_interval(Duration::from_secs(10))
-        .backend(backend)
-        .build()
-        .unwrap();
+    // Within a second, only an event wakes the waiter.
+    let quota = woken_only_by_events("allowed", &backend);
     let channel = QuotaKeys::new("allowed").unwrap().events;
     let holder = quota.try_acquire("holder").await.unwrap();
     assert!(
@@ -2024,14 +2036,8 @@ async fn a_resubscription_refused_after_a_reconnect_is_noticed_and_made_again_on
         subscribed,
         "not subscribed again once the channel was allowed"
     );
-    let released = Instant::now();
-    holder.release().await.unwrap();
-    let lease = tokio::time::timeout(Duration::from_secs(1), waiter)
-        .await
-        .expect("the waiter was not woken by the release event")
-        .unwrap()
-        .unwrap();
-    println!("waiter admitted {:?} after the release", released.elapsed());
+    let (lease, after) = common::release_then_served(&holder, waiter, Duration::from_secs(1)).await;
+    println!("waiter admitted {after:?} after the release");
     lease.release().await.unwrap();
 }
 
@@ -2046,8 +2052,7 @@ async fn a_local_lease_whose_channel_the_acl_refuses_reads_its_cancel_marker_ins
     use leasehold_testkit::proxy::FaultProxy;
 
     let server = RedisServer::start();
-    least_privilege_user(&server);
-    server.command(&["ACL", "SETUSER", "lh", "resetchannels"]);
+    least_privilege_user_without_channels(&server);
     let proxy = FaultProxy::start(server.port());
     let timeout = Duration::from_millis(300);
     let backend = RedisBackend::connect_with(
@@ -2119,16 +2124,10 @@ async fn a_channel_the_acl_refuses_does_not_cost_the_others_their_subscription_a
     let server = RedisServer::start();
     let url = least_privilege_user_for(&server, "*");
     let backend = RedisBackend::connect(&url).await.unwrap();
-    let quota = |name: &str| {
-        Quota::builder(name)
-            .limit(1)
-            .ttl(Duration::from_secs(10))
-            .poll_interval(Duration::from_secs(10))
-            .backend(backend.clone())
-            .build()
-            .unwrap()
-    };
-    let (a, b) = (quota("a"), quota("b"));
+    let (a, b) = (
+        woken_only_by_events("a", &backend),
+        woken_only_by_events("b", &backend),
+    );
     let channel_a = QuotaKeys::new("a").unwrap().events;
     let channel_b = QuotaKeys::new("b").unwrap().events;
     let _held_a = a.try_acquire("holder-a").await.unwrap();

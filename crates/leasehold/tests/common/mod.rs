@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use leasehold::{
-    Backend, MemoryBackend, Quota, QuotaBuilder, QuotaKeys, RedisBackend, RedisOptions,
+    Backend, Lease, MemoryBackend, Quota, QuotaBuilder, QuotaKeys, RedisBackend, RedisOptions,
 };
 use leasehold_testkit::RedisServer;
 
@@ -210,4 +210,21 @@ pub async fn warm_up(quota: &Quota) {
 pub async fn holder_ids(quota: &Quota) -> Vec<String> {
     let holders = quota.status().await.unwrap().holders;
     holders.into_iter().map(|h| h.task_id).collect()
+}
+
+/// Releases `holder`, then waits at most `within` for `waiter` to be served; returns its lease
+/// and how long after the release it came.
+pub async fn release_then_served(
+    holder: &Lease,
+    waiter: tokio::task::JoinHandle<leasehold::Result<Lease>>,
+    within: Duration,
+) -> (Lease, Duration) {
+    let released = Instant::now();
+    holder.release().await.unwrap();
+    let lease = tokio::time::timeout(within, waiter)
+        .await
+        .unwrap_or_else(|_| panic!("the waiter was not served within {within:?} of the release"))
+        .unwrap()
+        .unwrap();
+    (lease, released.elapsed())
 }
