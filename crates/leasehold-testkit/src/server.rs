@@ -97,7 +97,7 @@ impl RedisServer {
         let mut failures = Vec::new();
         for _ in 0..START_ATTEMPTS {
             let port = free_port();
-            match launch(&binary, port, &dir, &extra_args, &env) {
+            match launch(&binary, port, &dir, &extra_args, &env, Ready::Serving) {
                 Ok(child) => {
                     return RedisServer {
                         binary,
@@ -216,6 +216,23 @@ impl RedisServer {
     /// there is one. Retries binding the port for up to 5 s, then blocks
     /// until PING answers (at most 10 s); panics on failure.
     pub fn restart(&mut self) {
+        self.relaunch(Ready::Serving);
+    }
+
+    /// Like [`RedisServer::restart`], but returns as soon as the new process answers `PING`
+    /// with `LOADING`: it is still loading its dataset from disk, and refuses commands until it
+    /// is done. Anything the test does next happens during the load.
+    ///
+    /// For a load slow enough to be seen, start the server with a dataset on disk (`SAVE`
+    /// before the restart, with the default `--save ""` nothing is saved by itself) and with
+    /// `--key-load-delay <µs per key>` and `--loading-process-events-interval-bytes 1024`
+    /// (without the latter Redis answers nobody while it loads a small file). Panics if the
+    /// server is serving before it was seen loading, or after 10 s.
+    pub fn restart_loading(&mut self) {
+        self.relaunch(Ready::Loading);
+    }
+
+    fn relaunch(&mut self, ready: Ready) {
         self.kill();
         let deadline = Instant::now() + REBIND_TIMEOUT;
         loop {
@@ -225,6 +242,7 @@ impl RedisServer {
                 &self.dir,
                 &self.extra_args,
                 &self.env,
+                ready,
             ) {
                 Ok(child) => {
                     self.pid = child.id();
@@ -385,6 +403,15 @@ fn log_tail(dir: &Path) -> String {
     }
 }
 
+/// What [`launch`] waits for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ready {
+    /// The server answers `PING` (its dataset loaded).
+    Serving,
+    /// The server answers `PING` with `LOADING`.
+    Loading,
+}
+
 /// Spawns one server on `port` and waits until it is ready.
 fn launch(
     binary: &OsString,
@@ -392,6 +419,7 @@ fn launch(
     dir: &Path,
     extra_args: &[String],
     env: &[(OsString, OsString)],
+    ready: Ready,
 ) -> Result<Child, LaunchFailure> {
     let log = log_path(dir);
     // A fresh log, so that a "ready" line always comes from this process.
@@ -456,8 +484,20 @@ fn launch(
         // cannot be answered by some other server that took it.
         let log_ready =
             !check_log || fs::read_to_string(&log).is_ok_and(|text| text.contains(READY_LINE));
-        if log_ready && answers_ping(addr) {
-            return Ok(child);
+        match ready {
+            Ready::Serving if log_ready && answers_ping(addr) => return Ok(child),
+            Ready::Loading if answers_loading(addr) => return Ok(child),
+            Ready::Loading if check_log && log_ready => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(LaunchFailure {
+                    exited: false,
+                    message: "redis-server was serving before it was seen loading: give it a \
+                              bigger dataset or a longer --key-load-delay"
+                        .to_owned(),
+                });
+            }
+            _ => {}
         }
         if Instant::now() >= deadline {
             let _ = child.kill();
@@ -472,6 +512,12 @@ fn launch(
         }
         sleep(POLL);
     }
+}
+
+/// Whether the server answers PING with `LOADING` (it is loading its dataset).
+fn answers_loading(addr: SocketAddr) -> bool {
+    exchange(addr, &[&["PING"]], PING_TIMEOUT)
+        .is_ok_and(|replies| replies[0].is_error_starting_with("LOADING"))
 }
 
 /// Whether the server answers PING (PONG, or NOAUTH when a password is set).

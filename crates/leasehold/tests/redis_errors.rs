@@ -146,3 +146,40 @@ async fn a_peer_that_does_not_speak_redis_is_misconfiguration_on_one_line() {
     );
     assert!(!text.contains('\n'), "{text:?}");
 }
+
+/// F24's `MASTERDOWN`: a replica that lost its master and is told not to serve stale data
+/// refuses commands (and, inside a script, every command of it) until the link is back. A
+/// quota pointed at it (a failover tool that moved the clients before promoting it) is
+/// unavailable, never full and never misconfigured, and works once the replica is promoted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_without_its_master_is_unavailable_never_full_until_promoted() {
+    let mut master = RedisServer::start();
+    let replica =
+        RedisServer::start_replica_of(master.port(), &["--replica-serve-stale-data", "no"]);
+    let backend = RedisBackend::connect(&replica.url()).await.unwrap();
+    let keys = QuotaKeys::new("masterdown").unwrap();
+    let ttl = Duration::from_secs(5);
+    master.kill();
+    let end = Instant::now() + Duration::from_secs(10);
+    while !replica
+        .command(&["INFO", "replication"])
+        .as_string()
+        .unwrap_or_default()
+        .contains("master_link_status:down")
+    {
+        assert!(Instant::now() < end, "the replica never saw its master go");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for id in ["a", "b", "c"] {
+        let err = backend.acquire(&keys, id, ttl, 1).await.unwrap_err();
+        println!("acquire {id} on the masterless replica: {err}");
+        assert!(err.to_string().contains("MASTERDOWN"), "{err}");
+        assert!(
+            matches!(err, Error::BackendUnavailable(_)),
+            "MASTERDOWN passes with the link or a promotion: transient, got {err:?}"
+        );
+    }
+    replica.command(&["REPLICAOF", "NO", "ONE"]);
+    backend.acquire(&keys, "a", ttl, 1).await.unwrap();
+    assert_eq!(replica.command(&["ZCARD", &keys.leases]).as_int(), Some(1));
+}

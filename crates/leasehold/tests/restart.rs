@@ -3,10 +3,13 @@
 //! is handed out twice, no client takes the restart for a dataset loss (no quarantine), and the
 //! holders keep their leases through it.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use leasehold::{Error, FullCause, Quota, QuotaKeys, RedisBackend};
 use leasehold_testkit::{RedisServer, Reply};
+
+mod common;
 
 const NAME: &str = "restart";
 const TTL: Duration = Duration::from_secs(2);
@@ -14,12 +17,15 @@ const TTL: Duration = Duration::from_secs(2);
 /// leases whose renewals had stopped would have expired and been handed out inside it.
 const WATCH: Duration = Duration::from_secs(3);
 const ATTEMPT_EVERY: Duration = Duration::from_millis(50);
+/// The ttl of the slow-load test: well above the load (1–3 s), so that no holder reaches its
+/// local deadline during it however slow the machine.
+const LOADING_TTL: Duration = Duration::from_secs(6);
 
-async fn quota_on(server: &RedisServer) -> Quota {
+async fn quota_on(server: &RedisServer, ttl: Duration) -> Quota {
     let backend = RedisBackend::connect(&server.url()).await.unwrap();
     Quota::builder(NAME)
         .limit(2)
-        .ttl(TTL)
+        .ttl(ttl)
         .backend(backend)
         .build()
         .unwrap()
@@ -41,12 +47,12 @@ fn score(server: &RedisServer, key: &str, member: &str) -> f64 {
 async fn a_restart_with_the_data_intact_loses_nothing_and_admits_nobody_extra() {
     let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
     let keys = QuotaKeys::new(NAME).unwrap();
-    let holders = quota_on(&server).await;
+    let holders = quota_on(&server, TTL).await;
     let a = holders.try_acquire("a").await.unwrap();
     let b = holders.try_acquire("b").await.unwrap();
     // Another process, which has seen the quota's epoch before the restart: the one that would
     // take a changed state for a loss.
-    let other = quota_on(&server).await;
+    let other = quota_on(&server, TTL).await;
     match other.try_acquire("c").await {
         Err(Error::Full {
             cause: FullCause::NoSlot,
@@ -134,4 +140,122 @@ async fn a_restart_with_the_data_intact_loses_nothing_and_admits_nobody_extra() 
     b.release().await.unwrap();
     assert_eq!(server.command(&["ZCARD", &keys.leases]).as_int(), Some(0));
     drop(server);
+}
+
+/// F24's `LOADING`: the restarted server loads its dataset from disk and, until it is done,
+/// refuses every command with `LOADING` (the connection handshake included). That is the backend
+/// being unavailable for a while: never `Full`, never a misconfiguration, never a loss. Once the
+/// dataset is loaded, the leases are all there and their holders carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_loads_its_dataset_slowly_is_unavailable_never_full_and_loses_nothing() {
+    // 10 000 ballast keys at 100 µs each: a load of 1–3 s, during which Redis answers (with
+    // `LOADING`) every 1 KiB of the file.
+    let mut server = RedisServer::start_with(&[
+        "--enable-debug-command",
+        "yes",
+        "--key-load-delay",
+        "100",
+        "--loading-process-events-interval-bytes",
+        "1024",
+    ]);
+    server.command(&["DEBUG", "POPULATE", "10000", "ballast"]);
+    let keys = QuotaKeys::new(NAME).unwrap();
+    let holders = quota_on(&server, LOADING_TTL).await;
+    let a = holders.try_acquire("a").await.unwrap();
+    let b = holders.try_acquire("b").await.unwrap();
+    let other = quota_on(&server, LOADING_TTL).await;
+    assert!(matches!(
+        other.try_acquire("c").await,
+        Err(Error::Full {
+            cause: FullCause::NoSlot,
+            ..
+        })
+    ));
+    let epoch = field(&server, &keys.epoch, "id").expect("an epoch");
+    let score_a = score(&server, &keys.leases, "a");
+    assert_eq!(server.command(&["SAVE"]).as_string().as_deref(), Some("OK"));
+
+    tokio::task::block_in_place(|| server.restart_loading());
+    let restarted = Instant::now();
+    // Ask every 50 ms while the server loads; each answer is judged by what the server said to
+    // a `PING` right after it, so an answer from after the load is not held against the load.
+    let (mut during, mut loading_named) = (0, 0);
+    let mut kinds: BTreeMap<String, u32> = BTreeMap::new();
+    let loaded = loop {
+        assert!(
+            restarted.elapsed() < Duration::from_secs(15),
+            "still loading after 15 s"
+        );
+        let answer = other.try_acquire("c").await;
+        let still_loading = server
+            .try_command(&["PING"])
+            .is_ok_and(|reply| reply.is_error_starting_with("LOADING"));
+        if !still_loading {
+            break restarted.elapsed();
+        }
+        during += 1;
+        match answer {
+            Err(Error::BackendUnavailable(reason)) => {
+                let text = reason.to_string();
+                if text.contains("LOADING") {
+                    loading_named += 1;
+                }
+                *kinds.entry(text.chars().take(70).collect()).or_default() += 1;
+            }
+            other => panic!(
+                "attempt {during}, {:?} into the load: {other:?}, not `BackendUnavailable`",
+                restarted.elapsed()
+            ),
+        }
+        tokio::time::sleep(ATTEMPT_EVERY).await;
+    };
+    println!(
+        "loaded {loaded:?} after the restart: {during} attempts during the load, all \
+         unavailable, {loading_named} of them saying LOADING"
+    );
+    for (kind, count) in &kinds {
+        println!("  {count} × {kind}");
+    }
+    assert!(during >= 5, "only {during} attempts during the load");
+    assert!(loading_named >= 1, "no answer named the load");
+
+    // After the load: the same answers as after a quick restart (F6): both slots held, no
+    // quarantine, the holders renewing. The short-circuit may refuse for its cool-down first.
+    let mut answered_full = None;
+    while restarted.elapsed() < loaded + Duration::from_secs(5) {
+        match other.try_acquire("c").await {
+            Err(Error::Full {
+                cause: FullCause::NoSlot,
+                ..
+            }) => {
+                answered_full = Some(restarted.elapsed() - loaded);
+                break;
+            }
+            Err(Error::BackendUnavailable(_)) => {}
+            answer => panic!("after the load: {answer:?}"),
+        }
+        tokio::time::sleep(ATTEMPT_EVERY).await;
+    }
+    let answered_full = answered_full.expect("answered `Full` within 5 s of the load");
+    println!("answered full (no slot) {answered_full:?} after the load");
+    assert_eq!(server.command(&["ZCARD", &keys.leases]).as_int(), Some(2));
+    assert_eq!(field(&server, &keys.epoch, "id").as_ref(), Some(&epoch));
+    assert_eq!(
+        server.command(&["EXISTS", &keys.quarantine]).as_int(),
+        Some(0)
+    );
+    // Renewed after the load: a's stored deadline moves on (bounded by two heartbeats).
+    let renewed = common::eventually(LOADING_TTL / 3 * 2, || {
+        score(&server, &keys.leases, "a") > score_a
+    })
+    .await;
+    assert!(renewed, "a was not renewed after the load");
+    for lease in [&a, &b] {
+        assert_eq!(lease.lost_reason(), None, "{} was lost", lease.task_id());
+    }
+    a.release().await.unwrap();
+    let c = other.try_acquire("c").await.unwrap();
+    assert!(c.fencing_token() > b.fencing_token());
+    b.release().await.unwrap();
+    c.release().await.unwrap();
 }
