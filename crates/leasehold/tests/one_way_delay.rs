@@ -2,6 +2,12 @@
 //! while replies travel normally. It must give its lease up at its own local deadline, counted
 //! from when its last acknowledged renewal was *sent*, before the server reaps the lease and
 //! admits someone else; and the renewals that arrive after that must not bring it back.
+//!
+//! And a late acquire (F16): a worker gives up on an acquire still on its way to Redis, the task
+//! is retried on another connection, run and released, and only then does the first acquire land
+//! and admit the task again: a lease nobody runs. It must count against the limit like any
+//! lease (never a slot too many), and be gone at once when its reply reaches the worker that
+//! gave up, or within one ttl when that reply is lost.
 
 mod common;
 
@@ -226,4 +232,162 @@ async fn a_holder_whose_requests_arrive_late_fences_itself_before_the_server_rea
     assert!(samples >= 10, "{samples}");
     assert_eq!(max, 1, "the quota never counted more than its limit");
     assert_eq!(members(&server), Vec::<String>::new());
+}
+
+/// The ttl of the late-acquire tests (F16).
+const LATE_TTL: Duration = Duration::from_millis(1500);
+/// How late the first acquire reaches Redis: long after its worker gave up (100 ms) and the
+/// retry was released, well inside a ttl.
+const REQUEST_DELAY: Duration = Duration::from_millis(600);
+
+/// F16's setup, returned once the retry is released while the first acquire is still on its way.
+struct LateAcquire {
+    server: Arc<RedisServer>,
+    proxy: FaultProxy,
+    /// The worker that gave up on the first acquire; it talks through `proxy`.
+    gave_up: Quota,
+    /// Where the task was retried: another connection, direct to the server.
+    retry: Quota,
+    retried_token: u64,
+}
+
+impl LateAcquire {
+    /// A worker's acquire of `job` is delayed on its way to Redis by [`REQUEST_DELAY`] (and its
+    /// reply on the way back by `reply_delay`); the worker gives up after 100 ms; the task is
+    /// retried on another connection, admitted and released.
+    async fn retried_and_released_before_the_first_acquire_lands(reply_delay: Duration) -> Self {
+        let server = Arc::new(RedisServer::start());
+        let proxy = FaultProxy::start(server.port());
+        let quota_on = |backend: RedisBackend| {
+            Quota::builder(QUOTA)
+                .limit(1)
+                .ttl(LATE_TTL)
+                .backend(backend)
+                .build()
+                .unwrap()
+        };
+        let gave_up = quota_on(connect_through(&proxy, CALL_TIMEOUT).await);
+        let retry = quota_on(RedisBackend::connect(&server.url()).await.unwrap());
+        common::warm_up(&gave_up).await;
+        common::warm_up(&retry).await;
+        proxy.set_latency_each_way(REQUEST_DELAY, reply_delay);
+        let err = gave_up
+            .acquire_timeout("job", Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::TimedOut {
+                    answered: false,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let lease = retry.try_acquire("job").await.unwrap();
+        let retried_token = lease.fencing_token();
+        lease.release().await.unwrap();
+        assert!(members(&server).is_empty(), "{:?}", members(&server));
+        LateAcquire {
+            server,
+            proxy,
+            gave_up,
+            retry,
+            retried_token,
+        }
+    }
+
+    /// Waits (at most 3 s) for the first acquire to land and admit `job` again; returns when
+    /// it was seen, and checks that it is a new admission, with a later token than the retry's.
+    async fn zombie_landed(&self) -> Instant {
+        let end = Instant::now() + Duration::from_secs(3);
+        while !members(&self.server).iter().any(|m| m == "job") {
+            assert!(Instant::now() < end, "the delayed acquire never landed");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let landed = Instant::now();
+        let holder = self
+            .server
+            .command(&["HGET", "leasehold:{oneway}:holders", "job"])
+            .as_string()
+            .expect("the zombie's holder record");
+        let token: u64 = holder.split(':').next().unwrap().parse().unwrap();
+        assert!(
+            token > self.retried_token,
+            "{token} after {}",
+            self.retried_token
+        );
+        landed
+    }
+}
+
+/// The worker that gave up still reads the late reply on its connection: it finds an admission
+/// nobody waits for and releases it at once (PROTOCOL.md §6, duty 7). Until then the zombie holds
+/// the one slot, and nobody else gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_that_lands_after_its_retry_was_released_is_released_by_its_late_reply() {
+    let late =
+        LateAcquire::retried_and_released_before_the_first_acquire_lands(Duration::ZERO).await;
+    let watch = ZcardWatch::start(&late.server);
+    let landed = late.zombie_landed().await;
+    assert!(matches!(
+        late.retry.try_acquire("other").await,
+        Err(Error::Full { .. })
+    ));
+    let end = landed + LATE_TTL;
+    while members(&late.server).iter().any(|m| m == "job") {
+        // Before its ttl only a release removes it: an expired lease stays until a call reaps it.
+        assert!(
+            Instant::now() < end,
+            "the zombie was not released by its late reply"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let lived = landed.elapsed();
+    println!("the zombie lived {lived:?} (its release travels the delayed direction too)");
+    let (max, samples) = watch.finish();
+    assert_eq!(max, 1, "at most one lease at a time ({samples} samples)");
+    assert!(late.gave_up.status().await.unwrap().holders.is_empty());
+    late.retry.try_acquire("other").await.unwrap();
+    drop(late.proxy);
+}
+
+/// The late reply is lost (its connection closed while it was on its way back): nobody learns of
+/// the zombie, which holds its slot until its ttl runs out, and no longer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_that_lands_after_its_retry_was_released_and_whose_reply_is_lost_expires_in_a_ttl(
+) {
+    let late =
+        LateAcquire::retried_and_released_before_the_first_acquire_lands(Duration::from_secs(10))
+            .await;
+    let watch = ZcardWatch::start(&late.server);
+    let landed = late.zombie_landed().await;
+    late.proxy.drop_connections();
+    late.proxy.set_latency(Duration::ZERO);
+    let mut full = 0;
+    let admitted = loop {
+        match late.retry.try_acquire("other").await {
+            Ok(lease) => break (landed.elapsed(), lease),
+            Err(Error::Full { .. }) => full += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+        assert!(
+            landed.elapsed() < LATE_TTL * 2,
+            "the zombie outlived two ttls"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (after, lease) = admitted;
+    println!(
+        "another task admitted {after:?} after the zombie landed ({full} attempts full before)"
+    );
+    // The zombie's deadline is one ttl after it landed (by the server's clock); the attempts
+    // come every 20 ms.
+    assert!(after >= LATE_TTL - Duration::from_millis(100), "{after:?}");
+    assert!(after <= LATE_TTL + Duration::from_millis(300), "{after:?}");
+    let (max, samples) = watch.finish();
+    assert_eq!(max, 1, "at most one lease at a time ({samples} samples)");
+    lease.release().await.unwrap();
+    assert!(late.gave_up.status().await.unwrap().holders.is_empty());
 }
