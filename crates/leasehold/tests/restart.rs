@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use leasehold::{Error, FullCause, Quota, QuotaKeys, RedisBackend};
+use leasehold::{Error, FullCause, LostReason, Quota, QuotaKeys, RedisBackend};
 use leasehold_testkit::{RedisServer, Reply};
 
 mod common;
@@ -258,4 +258,107 @@ async fn a_restart_that_loads_its_dataset_slowly_is_unavailable_never_full_and_l
     assert!(c.fencing_token() > b.fencing_token());
     b.release().await.unwrap();
     c.release().await.unwrap();
+}
+
+/// F6 as the field notes provoke it: Redis is down for three ttls, then restarts with its data
+/// intact. Its clock moved on, so every lease it kept looks expired and the first acquires take
+/// every slot at once. That burst is safe only because the old holders stopped first, at their
+/// own local deadlines during the outage: at no moment do more tasks believe they hold a slot
+/// than the limit. Nobody is admitted during the outage, and the old holders' late releases
+/// touch none of the new leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_of_three_ttls_ends_with_the_old_holders_stopped_before_anyone_is_admitted() {
+    const OUTAGE_TTL: Duration = Duration::from_secs(1);
+    let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let keys = QuotaKeys::new(NAME).unwrap();
+    let holders = quota_on(&server, OUTAGE_TTL).await;
+    let other = quota_on(&server, OUTAGE_TTL).await;
+    let a = holders.try_acquire("a").await.unwrap();
+    let b = holders.try_acquire("b").await.unwrap();
+    let old_tokens = [a.fencing_token(), b.fencing_token()];
+    assert!(matches!(
+        other.try_acquire("c0").await,
+        Err(Error::Full { .. })
+    ));
+
+    tokio::task::block_in_place(|| server.kill());
+    let killed = Instant::now();
+    let lost = {
+        let (a, b) = (a.clone(), b.clone());
+        tokio::spawn(async move {
+            let (a_reason, b_reason) = tokio::join!(a.lost(), b.lost());
+            ([a_reason, b_reason], killed.elapsed())
+        })
+    };
+    let (mut attempts, mut unavailable) = (0, 0);
+    while killed.elapsed() < OUTAGE_TTL * 3 {
+        attempts += 1;
+        match other.try_acquire(&format!("during-{attempts}")).await {
+            Err(Error::BackendUnavailable(_)) => unavailable += 1,
+            answer => panic!("during the outage: {answer:?}"),
+        }
+        tokio::time::sleep(ATTEMPT_EVERY).await;
+    }
+    let (reasons, lost_after) = lost.await.unwrap();
+    println!("both old holders lost {lost_after:?} after the kill: {reasons:?}");
+    assert_eq!(
+        reasons,
+        [LostReason::LocalDeadline, LostReason::LocalDeadline]
+    );
+    // At their local deadlines: at most ttl − margin after the last renewal was sent, plus
+    // timer slack on a loaded machine. What this test needs is that it comes before the restart.
+    assert!(
+        lost_after < OUTAGE_TTL + Duration::from_millis(250),
+        "{lost_after:?}"
+    );
+    println!("{unavailable} of {attempts} attempts during the outage: unavailable");
+
+    tokio::task::block_in_place(|| server.restart());
+    let restarted = Instant::now();
+    assert_eq!(
+        server.command(&["ZCARD", &keys.leases]).as_int(),
+        Some(2),
+        "the AOF kept the old leases (expired by now)"
+    );
+    let c1 = loop {
+        match other.try_acquire("c1").await {
+            Ok(lease) => break lease,
+            Err(Error::BackendUnavailable(_)) => {}
+            answer => panic!("after the restart: {answer:?}"),
+        }
+        assert!(restarted.elapsed() < Duration::from_secs(5), "no admission");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    println!(
+        "first admission {:?} after the restart",
+        restarted.elapsed()
+    );
+    let c2 = other.try_acquire("c2").await.unwrap();
+    assert!(matches!(
+        other.try_acquire("c3").await,
+        Err(Error::Full {
+            cause: FullCause::NoSlot,
+            ..
+        })
+    ));
+    for lease in [&c1, &c2] {
+        assert!(
+            old_tokens.iter().all(|&old| lease.fencing_token() > old),
+            "token {} after {old_tokens:?}",
+            lease.fencing_token()
+        );
+    }
+    assert_eq!(
+        server.command(&["EXISTS", &keys.quarantine]).as_int(),
+        Some(0)
+    );
+    // The old holders let go now, as a worker that learnt it lost its leases does: their
+    // token-guarded releases leave the new holders' leases alone.
+    drop((a, b));
+    holders.flush().await;
+    let mut members = common::holder_ids(&other).await;
+    members.sort();
+    assert_eq!(members, ["c1", "c2"]);
+    c1.release().await.unwrap();
+    c2.release().await.unwrap();
 }
