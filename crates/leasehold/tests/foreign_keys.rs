@@ -384,6 +384,45 @@ async fn a_call_that_writes_first_writes_nothing_on_a_foreign_key() {
     }
 }
 
+/// A renewal from a caller that saw this epoch further along (a higher `seq` than stored: the
+/// store went back, PROTOCOL.md §8) starts a new epoch and a quarantine, so it must check the
+/// keys first, as a stale call does. It did not: a foreign `limit` failed it with `WRONGTYPE`,
+/// and a fence that holds no token with a Lua error, after the new epoch id, the quarantine and
+/// the fence were written (found by review). Raw script calls: a caller with this `seq` is one
+/// whose store went back, which the quota's own calls cannot fake.
+#[test]
+fn a_renewal_that_finds_the_store_went_back_writes_nothing_on_a_foreign_key() {
+    use common::scripts::{acquire_args, renew_args, run};
+    let server = RedisServer::start();
+    for (suffix, kind) in [("limit", Kind::String), ("fence", Kind::String)] {
+        let q = format!("went-back-{suffix}");
+        let first = run(
+            &server,
+            &acquire_args(&q, ["10000", "2", "", "0", "0", "0"], &["a"]),
+        );
+        let Reply::Array(items) = &first else {
+            panic!("{first:?}")
+        };
+        let epoch = items[0].as_string().expect("the epoch id");
+        assert_eq!(items[2].as_int(), Some(1), "seq after one admission");
+        put_foreign(&server, &q, suffix, kind, None);
+        let before = dataset(&server, &q);
+        let reply = run(
+            &server,
+            &renew_args(&q, ["10000", &epoch, "5", "9"], &["a", "1"]),
+        );
+        let cell = format!("{suffix} = {kind:?}, renew that saw seq 5 of 1");
+        match &reply {
+            Reply::Error(e) => assert!(
+                e.starts_with("WRONGTYPE") || e.starts_with("LEASEHOLD foreign value"),
+                "{cell}: {e}"
+            ),
+            other => panic!("{cell}: answered {other:?}"),
+        }
+        assert_eq!(dataset(&server, &q), before, "{cell}: wrote before failing");
+    }
+}
+
 /// With the quota full, acquire answers `full` (code 0) without needing the fence: it used to
 /// read it only to admit, so a foreign fence read as a full quota (`try_acquire`: `Full`,
 /// `acquire_timeout`: `TimedOut { answered: true }`). It now checks the fence first.

@@ -1151,6 +1151,38 @@ fn batched_refusals_give_true_expiry_hints_and_never_shorten_the_waiting_marker(
         answers[5] - t
     );
 
+    // A task id listed twice, refused both times, with the earliest lease extended in between:
+    // its second answer is what a second call would say then (young's deadline, old's being
+    // later now), not a copy of its first (found by review).
+    server.command(&[
+        "ZADD",
+        "leasehold:{hint}:leases",
+        &(t + 1000).to_string(),
+        "old",
+    ]);
+    let answers = ints_of(&eval_acquire(
+        &server,
+        "hint",
+        10_000,
+        2,
+        &["x", "old", "x"],
+    ));
+    assert_eq!(
+        (answers[0], answers[4], answers[8]),
+        (0, 2, 0),
+        "{answers:?}"
+    );
+    assert!(
+        answers[1] < t + 9000,
+        "first: old's deadline {}",
+        answers[1] - t
+    );
+    assert!(
+        answers[9] >= t + 9000,
+        "second: young's deadline, as a second call would answer, not the first's copy: {}",
+        answers[9] - t
+    );
+
     // A holders field without a leases member is dropped on refusal, alone in its call too.
     server.command(&["HSET", "leasehold:{hint}:holders", "stray", "7:0"]);
     eval_acquire(&server, "hint", 10_000, 2, &["stray"]);

@@ -8,7 +8,7 @@
 -- ARGV[1] ttl ms   ARGV[2] limit   ARGV[3] the epoch the caller last saw, or ''   ARGV[4] limit version
 -- ARGV[5] the highest seq the caller saw in that epoch, or 0
 -- ARGV[6] the highest fencing token the caller has seen in this quota, in any epoch, or 0
--- ARGV[6+k] the k-th task id (at least one, at most 1000)
+-- ARGV[6+k] the k-th task id (at least one, at most 1000: more is refused before any write)
 -- Reply: {epoch, now_ms, seq, then four values per task id, in argument order}:
 --   1, token, acquired_ms, deadline_ms   acquired (a new admission)
 --   2, token, acquired_ms, deadline_ms   held (this id already held a lease; extended)
@@ -28,6 +28,8 @@ if not version then return refuse('limit version (ARGV[4])', ARGV[4]) end
 if not integer(ARGV[5], 0, MAX) then return refuse('seq (ARGV[5])', ARGV[5]) end
 if not integer(ARGV[6], 0, MAX) then return refuse('highest token (ARGV[6])', ARGV[6]) end
 if #ARGV < 7 then return refuse('task ids (none given)', '') end
+-- Bounded so that no call fails halfway, after its first writes, on Lua's stack.
+if #ARGV > 6 + 1000 then return refuse('task ids (more than 1000)', #ARGV - 6) end
 -- A foreign value in one of the quota's keys fails the call (WRONGTYPE) before anything is
 -- written (common.lua): a full, quarantined or mismatched quota is answered without reading the
 -- fence, and reaping and a new limit write before the leases and holders are read. The epoch is
@@ -84,15 +86,31 @@ local refused
 local admitted, admitted_meta = {}, {}
 local answered = {}
 
+-- The earliest deadline of the live leases, this call's admissions included (not written yet:
+-- they expire at now + ttl), read once and kept until an extension may change it.
+local function earliest_hint()
+  if not earliest then
+    local lowest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
+    earliest = lowest and tonumber(lowest) or now + ttl
+    if #admitted > 0 then earliest = math.min(earliest, now + ttl) end
+  end
+  return earliest
+end
+
 local out = {epoch, now, seq}
 for k = 1, n do
   local id = ids[k]
   local code, a, b, c = 0, 0, 0, 0
   local first = answered[id]
   if first then
-    -- Listed twice: the second attempt finds what the first one left.
+    -- Listed twice: the second attempt finds what the first one left. A refusal's hint is
+    -- read again: a lease extended in between may have been the earliest.
     code, a, b, c = out[first], out[first + 1], out[first + 2], out[first + 3]
     if code == 1 then code = 2 end
+    if code == 0 then
+      a = earliest_hint()
+      refused = math.max(refused or 0, a)
+    end
   elseif markers[k] then
     -- A cancelled task is never admitted, nor extended.
     code, a = 3, markers[k]
@@ -118,7 +136,8 @@ for k = 1, n do
       fence = (fence or fence_in_force(tonumber(ARGV[6]))) + 1
       if fence > MAX then
         -- 2^53 - 1 admissions: tokens could no longer be told apart. Nothing admitted yet is
-        -- written; what this call changed before (reaping, the epoch) is right as it is.
+        -- written; what this call changed before stays (reaping, the epoch, a new stored
+        -- limit, held leases of earlier ids extended), all of it right as it is.
         return redis.error_reply('LEASEHOLD fencing tokens exhausted')
       end
       local deadline = now + ttl
@@ -139,14 +158,8 @@ for k = 1, n do
       elseif quarantine_left > 0 then
         code, a = 4, quarantine_left
       else
-        if not earliest then
-          -- This call's admissions are not written yet; they expire at now + ttl.
-          local lowest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
-          earliest = lowest and tonumber(lowest) or now + ttl
-          if #admitted > 0 then earliest = math.min(earliest, now + ttl) end
-        end
-        code, a = 0, earliest
-        refused = math.max(refused or 0, earliest)
+        code, a = 0, earliest_hint()
+        refused = math.max(refused or 0, a)
       end
     end
   end

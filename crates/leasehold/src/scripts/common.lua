@@ -98,7 +98,7 @@ local function check_epoch(t, now, ttl, sent, sent_seq, highest_token, unchecked
     local es, eu = stamp(epoch)
     went_back = ss and es and later(ss, su, es, eu)
   end
-  if unchecked_limit_key and (stale or not epoch) then
+  if unchecked_limit_key and (stale or went_back or not epoch) then
     -- This call writes below, and reads the other keys after that.
     check_types(unchecked_limit_key)
   end

@@ -6,7 +6,7 @@
 -- ARGV[1] ttl ms   ARGV[2] the epoch the renewed leases were last confirmed in, or ''
 -- ARGV[3] the highest seq the caller saw in that epoch, or 0
 -- ARGV[4] the highest fencing token the caller has seen in this quota, in any epoch, or 0
--- then pairs: ARGV[2k+3] task id, ARGV[2k+4] fencing token
+-- then at most 5000 pairs: ARGV[2k+3] task id, ARGV[2k+4] fencing token
 -- Reply: {now_ms, epoch, seq, code_1, value_1, code_2, value_2, ...} in argument order, where
 --   code 1 = renewed (value = new deadline), 0 = gone, 2 = superseded (another token holds it),
 --   3 = cancelled (value = the reason; the lease is still held but not extended).
@@ -20,6 +20,9 @@ if not ttl then return refuse('ttl (ARGV[1])', ARGV[1]) end
 if not integer(ARGV[3], 0, MAX) then return refuse('seq (ARGV[3])', ARGV[3]) end
 if not integer(ARGV[4], 0, MAX) then return refuse('highest token (ARGV[4])', ARGV[4]) end
 if #ARGV % 2 ~= 0 then return refuse('pairs (a task id without its token)', #ARGV) end
+-- Bounded so that no call fails halfway, after a stale caller's epoch writes, on Lua's stack
+-- (the cancel markers are read with one MGET).
+if #ARGV > 4 + 2 * 5000 then return refuse('pairs (more than 5000)', (#ARGV - 4) / 2) end
 for i = 6, #ARGV, 2 do
   if not integer(ARGV[i], 1, MAX) then return refuse('token (ARGV[' .. i .. '])', ARGV[i]) end
 end

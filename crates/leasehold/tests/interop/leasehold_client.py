@@ -57,9 +57,9 @@ SCRIPTS_DIR = os.path.normpath(
 
 # PROTOCOL.md section 1, the revision this client follows.
 EXPECTED_SHA1 = {
-    "acquire": "70e1eafe839ffa2608083c1efb7ead3e10a4ad04",
-    "renew": "1092147acbd216b3dbfb2dc6b3ffd58ec4490aa9",
-    "set_limit": "339762c0983ff8f308e0f54f9b464cfc165c44c9",
+    "acquire": "e6eec668dc17990e0d9c8fee874188b635ddbb0e",
+    "renew": "463f9d899e44609f8ef9b14de7612defd4b3c61d",
+    "set_limit": "a3cce64459b1687821aa2fcb05744a4ee39904f8",
     "release": "71827370b0b92800cbd7a10d75c6c2216e1ecd08",
     "cancel": "1e9757999a8ca30a7d1e393be6b839c81b47e5fb",
     "snapshot": "d75a00cb9c2220a42fe39757f775c77483dcb875",
