@@ -232,9 +232,13 @@ async fn renew(
         if release.wants_release() {
             // Released (or dropped) meanwhile. If this renewal still found the lease (it
             // reached the backend first, or re-registered the lease after a loss of the
-            // backend's state, PROTOCOL.md §8), nobody holds it now: release it again. An
-            // abandoned lease is left to expire, as `abandon` promises.
-            if matches!(outcome, RenewOutcome::Renewed { .. }) {
+            // backend's state, PROTOCOL.md §8, which a cancel marker does not prevent), nobody
+            // holds it now: release it again. An abandoned lease is left to expire, as
+            // `abandon` promises.
+            if matches!(
+                outcome,
+                RenewOutcome::Renewed { .. } | RenewOutcome::Cancelled { .. }
+            ) {
                 released_but_renewed.push(pair);
             }
             continue;

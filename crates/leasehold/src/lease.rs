@@ -26,7 +26,9 @@ use crate::runtime;
 /// process.
 /// Clones of a `Lease` (and handles returned by an idempotent re-acquire of the same task id)
 /// share one lease: it is released when the last of them is dropped, or at the first explicit
-/// `release`.
+/// `release`. One exception keeps a task's calls in order: a `release` called while an acquire
+/// of the same task id is on its way leaves the lease to the handle that acquire returns (it
+/// comes back `held` with this very lease), and sends nothing.
 ///
 /// A lease keeps being renewed after every [`Quota`](crate::Quota) handle it came from is
 /// dropped, until it is released or dropped itself.
@@ -50,6 +52,9 @@ pub(crate) struct LeaseInner {
     pub(crate) release: Arc<ReleaseState>,
     /// Granted by the backend-down policy, without the backend.
     pub(crate) local: bool,
+    /// When the call that admitted it was sent: a later call's answer that the task holds no
+    /// lease in the backend is about this admission too.
+    admitted_sent: Instant,
 }
 
 /// Whether a lease's release was sent. Shared with renewals in flight, which may outlive the
@@ -144,6 +149,7 @@ impl LeaseInner {
             lost_token: CancellationToken::new(),
             release: Arc::default(),
             local: false,
+            admitted_sent: sent,
         }
     }
 
@@ -198,6 +204,11 @@ impl LeaseInner {
     /// The epoch this lease was last confirmed in.
     pub(crate) fn epoch(&self) -> Arc<str> {
         self.times().epoch.clone()
+    }
+
+    /// Whether the call that admitted this lease was sent before `sent`.
+    pub(crate) fn admitted_before(&self, sent: Instant) -> bool {
+        self.admitted_sent < sent
     }
 
     pub(crate) fn is_lost(&self) -> bool {

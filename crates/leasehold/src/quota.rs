@@ -11,7 +11,7 @@ use crate::admissions::Admissions;
 use crate::backend::{Backend, LimitUpdate};
 use crate::breaker::{Breaker, BreakerMode};
 use crate::config::{QuotaBuilder, QuotaConfig};
-use crate::error::{Error, FullCause, Misconfiguration, Result};
+use crate::error::{Error, FullCause, LostReason, Misconfiguration, Result};
 use crate::keys::{
     validate_cancel_reason, validate_limit, validate_limit_version, validate_task_id, QuotaKeys,
     MAX_LIMIT_VERSION,
@@ -39,7 +39,8 @@ pub use status::{Holder, Status};
 /// same backend (the same [`Backend::identity`](crate::backend::Backend::identity): one
 /// connection) share what this process knows of the quota's leases: a task acquired through one
 /// of them while another holds it gets that same lease. It ends when any of its handles
-/// releases it, or when the last of them is dropped.
+/// releases it (unless an acquire of the task is on its way, whose handle then keeps it: see
+/// [`Lease`](crate::Lease)), or when the last of them is dropped.
 ///
 /// The operator's calls ([`status`](Self::status), [`cancel`](Self::cancel),
 /// [`cancel_reason`](Self::cancel_reason), [`force_release`](Self::force_release),
@@ -283,7 +284,16 @@ impl Quota {
     /// [`LostReason::Expired`](crate::LostReason::Expired). Returns whether a lease was removed.
     pub async fn force_release(&self, task_id: &str) -> Result<bool> {
         validate_task_id(task_id)?;
-        self.shared.release_in_backend(task_id, None).await
+        let sent = Instant::now();
+        let removed = self.shared.release_in_backend(task_id, None).await?;
+        // A lease of the task in this process is gone from the backend either way: removed now,
+        // or not there to remove.
+        let reason = match removed {
+            true => LostReason::ReleasedElsewhere,
+            false => LostReason::Expired,
+        };
+        self.shared.end_lease_admitted_before(task_id, sent, reason);
+        Ok(removed)
     }
 
     /// The operator's change of the quota's limit, without a deploy: stores `limit` at
@@ -489,14 +499,20 @@ impl Quota {
         // Only a newcomer when nobody waits in line (or a task that already holds) may try at
         // once; otherwise it would overtake older waiters.
         let mut retry_after = shared.until_expiry_or_poll();
+        // Told "quarantined": nobody is admitted until it ends, so polling sooner is wasted.
+        let mut quarantined = false;
         let (place, try_at_once) = shared
             .waiters
             .join(task_id, shared.held_lease_of(task_id).is_some());
         if try_at_once {
             match self.settled(self.attempt(task_id).await)? {
                 Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => return Ok(lease),
-                Attempt::Full { retry_after: r, .. } => {
+                Attempt::Full {
+                    retry_after: r,
+                    cause,
+                } => {
                     retry_after = r;
+                    quarantined = matches!(cause, FullCause::Quarantined { .. });
                     place.idle();
                 }
             }
@@ -509,9 +525,11 @@ impl Quota {
             let sleep = if place.is_head() {
                 // At most one ttl: a refusal keeps releases announced (the `waiting` marker) only
                 // for as long as some waiter comes back within that time.
-                self.jitter(shared.config.poll_interval)
-                    .min(retry_after)
-                    .min(shared.config.ttl)
+                let poll = match quarantined {
+                    true => retry_after,
+                    false => self.jitter(shared.config.poll_interval),
+                };
+                poll.min(retry_after).min(shared.config.ttl)
             } else {
                 // Not first in line: the head watches expiries; poll rarely, as a safety net, but
                 // within a ttl, so the `waiting` marker lives on even if the head is wedged. The
@@ -545,9 +563,17 @@ impl Quota {
                 place.took_no_slot();
             }
             match outcome? {
-                Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => return Ok(lease),
-                Attempt::Full { retry_after: r, .. } => {
+                Attempt::Admitted(lease) => {
+                    place.took_slot();
+                    return Ok(lease);
+                }
+                Attempt::AlreadyHeld(lease) => return Ok(lease),
+                Attempt::Full {
+                    retry_after: r,
+                    cause,
+                } => {
                     retry_after = r;
+                    quarantined = matches!(cause, FullCause::Quarantined { .. });
                     place.idle();
                 }
             }

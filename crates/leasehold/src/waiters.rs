@@ -351,7 +351,15 @@ impl Place<'_> {
         let mut state = self.waiter.state();
         if state.doing == Doing::WokenAttempt(Asked::FreedSlot) {
             state.freed += 1;
+            // Counted in `freed` now: not owed a second time when the waiter leaves.
+            state.doing = Doing::Waiting;
         }
+    }
+
+    /// The waiter leaves with the slot its attempt took: a freed slot it was woken for was
+    /// used, and is owed to nobody.
+    pub(crate) fn took_slot(&self) {
+        self.waiter.state().doing = Doing::Waiting;
     }
 
     /// The attempt a waker started for this waiter, if any: the waiter uses it instead of
@@ -382,7 +390,13 @@ impl Drop for Place<'_> {
         }
         let (freed, recheck) = {
             let state = self.waiter.state();
-            (state.freed, state.recheck)
+            // Dropped (a timeout, a `select!`) while out on an attempt for a freed slot, before
+            // that attempt said whether it took the slot: if it took none (an error, the task's
+            // lease held elsewhere), nobody else would be told the slot is free until a poll.
+            // Passed on: if it did take it, the next waiter is refused once, and woken again
+            // when the unclaimed admission is let go.
+            let unsettled = state.doing == Doing::WokenAttempt(Asked::FreedSlot);
+            (state.freed + u32::from(unsettled), state.recheck)
         };
         if freed == 0 && !recheck {
             if was_head {

@@ -145,3 +145,52 @@ async fn a_release_before_the_subscription_is_in_place_still_wakes_the_waiter() 
     assert!(matches!(admitted, Ok(Ok(Ok(_)))), "{admitted:?}");
     println!("admitted {:?} after it asked", started.elapsed());
 }
+
+/// A waiter woken by a release, whose future is dropped (a timeout, a `select!`) while the
+/// attempt the release started for it is out, and that attempt takes no slot (here it fails):
+/// the slot it was woken for goes to the next waiter at once, not at that waiter's poll (10 s
+/// here). Found by review: the waiter that would have passed the wake-up on was gone, and the
+/// next one was served 11.7 s after the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_dropped_during_its_woken_attempt_passes_the_freed_slot_on() {
+    let backend = Arc::new(Switchable::default());
+    let counting = Counting::new(backend.clone());
+    let quota = Quota::builder("order-dropped")
+        .limit(1)
+        .ttl(Duration::from_secs(30))
+        .poll_interval(Duration::from_secs(10))
+        .shared_backend(counting.clone())
+        .build()
+        .unwrap();
+    let holder = quota.try_acquire("holder").await.unwrap();
+    let dropped = {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.acquire("dropped").await })
+    };
+    assert!(
+        counting
+            .all_refused(&["dropped"], Duration::from_secs(5))
+            .await
+    );
+    let next = {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.acquire("next").await })
+    };
+    assert!(common::eventually(Duration::from_secs(5), || quota.debug_sizes().waiters == 2).await);
+    backend.fail_late("dropped");
+    let released = std::time::Instant::now();
+    holder.release().await.unwrap();
+    // The release woke the head; its attempt is out (failing 150 ms after it was made).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    dropped.abort();
+    let lease = tokio::time::timeout(Duration::from_secs(3), next)
+        .await
+        .expect("the next waiter was not served within 3 s: the freed slot was not passed on")
+        .unwrap()
+        .unwrap();
+    println!(
+        "next waiter served {:?} after the release",
+        released.elapsed()
+    );
+    assert_eq!(lease.task_id(), "next");
+}

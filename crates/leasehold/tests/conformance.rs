@@ -63,6 +63,9 @@ conformance!(
     a_cancel_marker_refuses_its_task_for_its_ttl_then_lets_it_in_again,
     a_lease_re_registered_after_a_dataset_loss_is_answered_cancelled,
     a_cancel_marker_lost_with_the_dataset_no_longer_refuses_its_task,
+    an_answer_that_the_task_holds_no_lease_ends_the_lease_this_process_believed_held,
+    a_forced_release_of_a_task_of_this_process_ends_its_lease_at_once,
+    a_waiter_told_quarantined_does_not_poll_until_the_quarantine_ends,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -953,10 +956,12 @@ async fn an_abandoned_lease_holds_its_slot_until_its_deadline(fx: Fixture) {
 
 async fn an_older_handle_hears_when_its_task_is_admitted_again(fx: Fixture) {
     // No events: nothing announces the forced release, and the old handle is never renewed
-    // again once the new admission takes its place in this process.
+    // again once the new admission takes its place in this process. The release is made by a
+    // raw backend call, as another process would: this quota's own `force_release` ends the
+    // old handle at once (`a_forced_release_of_a_task_of_this_process_ends_its_lease_at_once`).
     let quota = fx.builder(1, TTL).events(false).build().unwrap();
     let old = quota.try_acquire("x").await.unwrap();
-    assert!(quota.force_release("x").await.unwrap());
+    assert!(fx.backend.release(&fx.keys(), "x", None).await.unwrap());
     let new = quota.try_acquire("x").await.unwrap();
     assert!(new.fencing_token() > old.fencing_token());
     let reason = tokio::time::timeout(Duration::from_secs(1), old.lost())
@@ -2103,4 +2108,101 @@ async fn a_cancel_marker_lost_with_the_dataset_no_longer_refuses_its_task(fx: Fi
         matches!(&again, AcquireReply::Held(r) if r.token == a.token),
         "{again:?}"
     );
+}
+
+/// Two clients, events off (no message tells the holder anything): the holder's own calls
+/// about its task prove its lease over, and it must stop at once, not at its next renewal
+/// (up to a heartbeat later, while another task may already hold the slot): an acquire of the
+/// task answered `Full` (never the answer while the task holds a live lease) after an
+/// operator's forced release gave the slot to another task; an acquire answered `Cancelled`
+/// (found by review: both left the lease `is_held()` until the next renewal).
+async fn an_answer_that_the_task_holds_no_lease_ends_the_lease_this_process_believed_held(
+    fx: Fixture,
+) {
+    let ttl = Duration::from_secs(3);
+    let holder = fx.builder(1, ttl).events(false).build().unwrap();
+    let other = fx
+        .builder(1, ttl)
+        .events(false)
+        .shared_backend(fx.second_client().await)
+        .build()
+        .unwrap();
+    let x = holder.try_acquire("x").await.unwrap();
+    assert!(other.force_release("x").await.unwrap());
+    let y = other.try_acquire("y").await.unwrap();
+    match holder.try_acquire("x").await {
+        Err(Error::Full { .. }) => {}
+        answer => panic!("the slot is y's: {answer:?}"),
+    }
+    assert!(!x.is_held(), "x still believed held while y holds the slot");
+    // The memory backend's two clients share this process, where the forced release is heard.
+    assert!(
+        matches!(
+            x.lost_reason(),
+            Some(LostReason::Expired | LostReason::ReleasedElsewhere)
+        ),
+        "{:?}",
+        x.lost_reason()
+    );
+    y.release().await.unwrap();
+
+    let z = holder.try_acquire("z").await.unwrap();
+    assert!(other.cancel("z", "stop").await.unwrap());
+    match holder.try_acquire("z").await {
+        Err(Error::Cancelled(reason)) => assert_eq!(reason, "stop"),
+        answer => panic!("z is cancelled: {answer:?}"),
+    }
+    assert_eq!(z.lost_reason(), Some(LostReason::Cancelled("stop".into())));
+    z.release().await.unwrap();
+    assert!(holder.status().await.unwrap().holders.is_empty());
+}
+
+/// A process that force-releases a task it holds itself knows from the answer that the lease
+/// is gone: it ends at once, events off (found by review: it waited for its next renewal).
+async fn a_forced_release_of_a_task_of_this_process_ends_its_lease_at_once(fx: Fixture) {
+    let quota = fx
+        .builder(1, Duration::from_secs(3))
+        .events(false)
+        .build()
+        .unwrap();
+    let x = quota.try_acquire("x").await.unwrap();
+    assert!(quota.force_release("x").await.unwrap());
+    assert_eq!(x.lost_reason(), Some(LostReason::ReleasedElsewhere));
+    // Nothing left to remove (the backend lost its state): the answer proves the same, and the
+    // lease is not re-registered by a renewal against the operator's will.
+    let y = quota.try_acquire("y").await.unwrap();
+    fx.wipe();
+    assert!(!quota.force_release("y").await.unwrap());
+    assert_eq!(y.lost_reason(), Some(LostReason::Expired));
+}
+
+/// A waiter told "quarantined" (the backend lost its state: nobody is admitted for a ttl) does
+/// not poll during the quarantine, which would be refused all the same: it tries again when the
+/// quarantine ends. Found by review: it polled at its poll interval (9–10 attempts in 2 s).
+async fn a_waiter_told_quarantined_does_not_poll_until_the_quarantine_ends(fx: Fixture) {
+    let counting = Counting::new(fx.backend.clone());
+    let ttl = Duration::from_secs(2);
+    let quota = common::quota_with(counting.clone(), &fx.name, 2, ttl)
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    // The handle has seen the quota's epoch, so its first call after the loss starts the
+    // quarantine (one ttl).
+    quota
+        .try_acquire("seen")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    fx.wipe();
+    let before = counting.attempts();
+    let answer = quota
+        .acquire_timeout("w", Duration::from_millis(1500))
+        .await;
+    assert!(matches!(answer, Err(Error::TimedOut { .. })), "{answer:?}");
+    let attempts = counting.attempts() - before;
+    println!("{attempts} attempts in 1.5 s of a 2 s quarantine");
+    // The first, and the re-check of a subscription made meanwhile; not one per 100 ms poll.
+    assert!(attempts <= 3, "{attempts} attempts");
 }

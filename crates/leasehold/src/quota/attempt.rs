@@ -8,7 +8,7 @@ use tokio::sync::oneshot;
 use super::Shared;
 use crate::backend::AcquireReply;
 use crate::breaker::Permit;
-use crate::error::{Error, FullCause, Misconfiguration, Result};
+use crate::error::{Error, FullCause, LostReason, Misconfiguration, Result};
 use crate::lease::Lease;
 use crate::runtime;
 
@@ -144,6 +144,18 @@ impl Shared {
                 let admitted = match &reply {
                     Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
                         Some(shared.adopt(record, sent))
+                    }
+                    // Not a limit mismatch: it is answered before the quarantine, so a lease
+                    // that a loss of the backend's state dropped and its next renewal
+                    // re-registers is answered that way too.
+                    Ok(AcquireReply::Full { .. }) => {
+                        shared.end_lease_admitted_before(&id, sent, LostReason::Expired);
+                        None
+                    }
+                    Ok(AcquireReply::Cancelled { reason }) => {
+                        let reason = LostReason::Cancelled(reason.clone());
+                        shared.end_lease_admitted_before(&id, sent, reason);
+                        None
                     }
                     _ => None,
                 };

@@ -16,6 +16,22 @@ impl Shared {
         live_in(self.admissions.registry(), task_id)
     }
 
+    /// The backend answered a call about `task_id` sent at `sent` in a way that ends the task's
+    /// lease: an acquire answered full (never the answer while the task holds a live lease,
+    /// PROTOCOL.md §5.2) or cancelled, a forced release. The task's lease in this process, if
+    /// the call that admitted it was sent before, ends with `reason` now rather than at its next
+    /// renewal, up to a heartbeat later, while another process may already hold its slot.
+    pub(crate) fn end_lease_admitted_before(
+        &self,
+        task_id: &str,
+        sent: Instant,
+        reason: LostReason,
+    ) {
+        if let Some(lease) = self.lease(task_id).filter(|l| l.admitted_before(sent)) {
+            lease.mark_lost(reason);
+        }
+    }
+
     /// The live lease the backend-down policy granted `task_id` in this process, if any.
     pub(crate) fn local_lease_of(&self, task_id: &str) -> Option<Arc<LeaseInner>> {
         live_in(self.admissions.local(), task_id)

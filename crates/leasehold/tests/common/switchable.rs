@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, Notify};
 
 /// The memory backend, with a switch that takes it "down" (every call fails transiently, as an
 /// unreachable Redis would), one for renewals only, one that delivers some tasks' acquire
-/// answers late (decided at once, answered after [`LATE_ANSWER`]), one that makes subscribes
+/// answers late (decided at once, answered after [`LATE_ANSWER`]), one that fails them late, one that makes subscribes
 /// take that long, one that refuses subscribes, one that holds releases back: they fail as if they timed out,
 /// and reach the backend only when the test delivers them, as a proxy that held a replaced
 /// connection's bytes would, and delays that make renewals or releases slow (a slow link).
@@ -26,6 +26,7 @@ pub struct Switchable {
     hold_back_releases: AtomicBool,
     held_back: Mutex<Vec<(QuotaKeys, String, Option<u64>)>>,
     answered_late: Mutex<HashSet<String>>,
+    failing_late: Mutex<HashSet<String>>,
     slow_subscribe: AtomicBool,
     refuse_subscribe: AtomicBool,
     /// Cancel markers read (`cancel_reason` calls, answered or not).
@@ -71,6 +72,12 @@ impl Switchable {
             }
             None => late.clear(),
         }
+    }
+
+    /// Acquires of `task_id` fail transiently [`LATE_ANSWER`] after they were made, changing
+    /// nothing (a call that timed out before it reached the backend).
+    pub fn fail_late(&self, task_id: &str) {
+        self.failing_late.lock().unwrap().insert(task_id.to_owned());
     }
 
     /// Subscribes take [`LATE_ANSWER`] (a slow link, or one queued behind other subscribes).
@@ -120,6 +127,10 @@ impl Backend for Switchable {
         limit: VersionedLimit,
     ) -> Result<AcquireReply> {
         self.up()?;
+        if self.failing_late.lock().unwrap().contains(id) {
+            tokio::time::sleep(LATE_ANSWER).await;
+            return Err(Error::BackendUnavailable("timed out (failing late)".into()));
+        }
         let answer = self.inner.acquire_with_limit(keys, id, ttl, limit).await;
         if self.answered_late.lock().unwrap().contains(id) {
             self.decided_late.notify_one();
