@@ -27,8 +27,8 @@ use crate::runtime;
 /// Clones of a `Lease` (and handles returned by an idempotent re-acquire of the same task id)
 /// share one lease: it is released when the last of them is dropped, or at the first explicit
 /// `release`. One exception keeps a task's calls in order: a `release` called while an acquire
-/// of the same task id is on its way leaves the lease to the handle that acquire returns (it
-/// comes back `held` with this very lease), and sends nothing.
+/// of the same task id is on its way waits for it, and if it comes back `held` with this very
+/// lease, leaves the lease to the handle that acquire returned and sends nothing.
 ///
 /// A lease keeps being renewed after every [`Quota`](crate::Quota) handle it came from is
 /// dropped, until it is released or dropped itself.

@@ -284,6 +284,10 @@ impl Quota {
     /// [`LostReason::Expired`](crate::LostReason::Expired). Returns whether a lease was removed.
     pub async fn force_release(&self, task_id: &str) -> Result<bool> {
         validate_task_id(task_id)?;
+        // In the task's turn, as its acquires are: an acquire of the task under way could
+        // otherwise run after this release in the backend (acquires and releases travel in
+        // separate calls) and be taken for a lease it removed (found by review).
+        let _turn = self.shared.admissions.turns.take(task_id).await;
         let sent = Instant::now();
         let removed = self.shared.release_in_backend(task_id, None).await?;
         // A lease of the task in this process is gone from the backend either way: removed now,

@@ -255,3 +255,34 @@ async fn a_held_task_acquired_again_on_a_slow_link_gets_its_lease_not_a_timeout(
     px.quota.flush().await;
     assert!(px.direct.status().await.unwrap().holders.is_empty());
 }
+
+/// This process's forced release of a task whose acquire is under way waits for that acquire,
+/// as the task's own calls do: the lease the acquire returns is the one it removes, and that
+/// lease ends at once. The acquire's answer is decided first and delivered 150 ms later
+/// (`Switchable::answer_late`). Without the wait (found by review) the release ran beside the
+/// acquire: the acquire's lease was adopted after the release removed it, and believed held
+/// until its next renewal; in the other order, a lease the release never touched was ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_release_waits_for_an_acquire_of_its_task_under_way() {
+    use common::switchable::Switchable;
+    use std::sync::Arc;
+    let backend = Arc::new(Switchable::default());
+    let quota = common::quota_with(backend.clone(), "forced-turn", 1, Duration::from_secs(30))
+        .events(false)
+        .build()
+        .unwrap();
+    backend.answer_late(Some("t"));
+    let acquiring = {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.try_acquire("t").await })
+    };
+    backend.decided_late.notified().await; // admitted; the answer is on its way
+    assert!(quota.force_release("t").await.unwrap());
+    let lease = acquiring.await.unwrap().unwrap();
+    assert_eq!(
+        lease.lost_reason(),
+        Some(leasehold::LostReason::ReleasedElsewhere),
+        "the lease the forced release removed is still believed held"
+    );
+    assert!(quota.status().await.unwrap().holders.is_empty());
+}

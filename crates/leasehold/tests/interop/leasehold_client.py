@@ -21,7 +21,7 @@ Client duties (PROTOCOL.md section 6) and what this module does about them:
   3 one renew call per quota per heartbeat (ttl/3), grouped by epoch, brought forward for a new
     lease (due one heartbeat after its acquire was *sent*), quick retry 250 ms doubling up to
     heartbeat/4 after an immediate failure, none after a timeout ..................... done
-    (renewals are sent one at a time, never overlapping; SKIPPED: splitting past 5000 leases)
+    (renewals are sent one at a time, never overlapping; at most 5000 leases per call)
   4 local monotonic deadline, margin max(ttl/20, 10 ms) ........................... done
   5 stop on renew 0/2 (no release), on 3 / cancelled: message (release) ............ done
   6 release with the token ..................................................... done
@@ -651,7 +651,11 @@ class Quota:
                     by_epoch.setdefault(lease.epoch, []).append(lease)
             t_round = time.monotonic_ns()
             failed, timed_out = False, False
-            for epoch, leases in by_epoch.items():
+            # The script takes at most 5000 pairs (PROTOCOL.md section 5.3).
+            calls = [(epoch, leases[i:i + 5000])
+                     for epoch, leases in by_epoch.items()
+                     for i in range(0, len(leases), 5000)]
+            for epoch, leases in calls:
                 try:
                     self._renew_call(epoch, leases)
                 except BackendUnavailable as e:
