@@ -392,6 +392,55 @@ fn renewals_go_on_while_the_application_runtime_is_blocked() {
     });
 }
 
+/// The same, on a lazily connected backend whose connection each of the operator's calls makes
+/// (its first call): the connection's driver must land on leasehold's runtime whichever call
+/// made it. `cancel_reason` ran on the caller's runtime (found by review): with it first, the
+/// lease was lost at its local deadline while the application's runtime was blocked.
+#[test]
+fn renewals_go_on_while_the_application_runtime_is_blocked_whatever_call_connected() {
+    let ttl = Duration::from_millis(600);
+    let first_calls = ["cancel_reason", "status", "cancel", "force_release"];
+    std::thread::scope(|scope| {
+        for first in first_calls {
+            scope.spawn(move || {
+                let server = RedisServer::start();
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let (_quota, lease) = runtime.block_on(async {
+                    let backend = RedisBackend::connect_lazy(&server.url(), Default::default())
+                        .await
+                        .unwrap();
+                    let quota = Quota::builder("starved")
+                        .limit(1)
+                        .ttl(ttl)
+                        .backend(backend)
+                        .build()
+                        .unwrap();
+                    match first {
+                        "cancel_reason" => {
+                            assert_eq!(quota.cancel_reason("nobody").await.unwrap(), None)
+                        }
+                        "status" => assert!(quota.status().await.unwrap().holders.is_empty()),
+                        "cancel" => assert!(!quota.cancel("nobody", "why").await.unwrap()),
+                        _ => assert!(!quota.force_release("nobody").await.unwrap()),
+                    }
+                    let lease = quota.try_acquire("busy").await.unwrap();
+                    assert!(!lease.is_local());
+                    (quota, lease)
+                });
+                runtime.block_on(async { std::thread::sleep(ttl * 5) });
+                assert!(
+                    lease.is_held(),
+                    "connected by {first}: {:?}",
+                    lease.lost_reason()
+                );
+            });
+        }
+    });
+}
+
 /// Makes a private CA and a server certificate for 127.0.0.1/localhost with openssl.
 fn test_certificates(dir: &std::path::Path) {
     let run = |args: &[&str]| {

@@ -183,3 +183,24 @@ async fn a_replica_without_its_master_is_unavailable_never_full_until_promoted()
     backend.acquire(&keys, "a", ttl, 1).await.unwrap();
     assert_eq!(replica.command(&["ZCARD", &keys.leases]).as_int(), Some(1));
 }
+
+/// A command leasehold sends that the server does not know (here `EVALSHA`, disabled with
+/// `rename-command`) is a misconfiguration, never a passing outage: retrying cannot help, and a
+/// backend-down policy would otherwise grant local leases for as long as the server answers.
+/// Found by review: it was transient.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_command_is_misconfiguration_not_an_outage() {
+    let server = RedisServer::start_with(&["--rename-command", "EVALSHA", ""]);
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let keys = QuotaKeys::new("unknown").unwrap();
+    let err = backend
+        .acquire(&keys, "a", Duration::from_secs(5), 1)
+        .await
+        .unwrap_err();
+    println!("{err}");
+    assert!(err.to_string().contains("unknown command"), "{err}");
+    assert!(
+        matches!(err, Error::Misconfigured(_)),
+        "an unknown command stays unknown: {err:?}"
+    );
+}

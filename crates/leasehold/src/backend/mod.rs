@@ -204,7 +204,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Extends each `(task id, fencing token)` lease that still exists with that token to
     /// `max(its deadline, now + ttl)`; never re-creates one, except that leases forgotten by a
     /// detected loss of the backend's state re-register (protocol §8). One round trip per 5000
-    /// leases.
+    /// leases; if the backend's epoch changes between two of them, the call fails transiently,
+    /// since one reply carries one epoch (the leases keep their deadlines and are renewed again).
     ///
     /// `epoch` is the epoch the leases were last confirmed in (the [`LeaseRecord::epoch`] of
     /// their admission, or the [`RenewReply::epoch`] of their latest renewal), so the backend

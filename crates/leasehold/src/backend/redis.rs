@@ -235,8 +235,9 @@ impl RedisBackend {
             let backend = RedisBackend::assemble(conn, client, db, options, pushes, push_rx);
             // Surface authentication and permission problems now, not at the first acquire.
             backend.call_raw(redis::cmd("PING")).await?;
-            // Load every script now: a first renewal that has to go EVALSHA, NOSCRIPT, SCRIPT
-            // LOAD, EVALSHA takes three round trips, which a slow link may not fit in a ttl.
+            // Load the scripts of the workers' calls now (`set_limit`, an operator's, is loaded
+            // at its first call): a first renewal that has to go EVALSHA, NOSCRIPT, SCRIPT LOAD,
+            // EVALSHA takes three round trips, which a slow link may not fit in a ttl.
             for script in [&*ACQUIRE, &*RENEW, &*RELEASE, &*CANCEL, &*SNAPSHOT] {
                 backend
                     .on_link(
@@ -563,8 +564,17 @@ impl Backend for RedisBackend {
             epoch: epoch.to_owned(),
             outcomes: Vec::with_capacity(leases.len()),
         };
-        for batch in leases.chunks(RENEW_BATCH) {
+        for (i, batch) in leases.chunks(RENEW_BATCH).enumerate() {
             let reply = self.renew_batch(keys, ttl, epoch, batch).await?;
+            // One reply has one epoch: leases of an earlier batch confirmed in another one would
+            // send the wrong epoch next time, and be answered gone instead of re-registering
+            // (found by review). Unconfirmed, they keep their deadlines and are renewed again.
+            if i > 0 && reply.epoch != renewed.epoch {
+                return Err(Error::BackendUnavailable(format!(
+                    "the quota's epoch changed between renewal batches ({} then {})",
+                    renewed.epoch, reply.epoch
+                )));
+            }
             renewed.epoch = reply.epoch;
             renewed.outcomes.extend(reply.outcomes);
         }
@@ -650,13 +660,20 @@ impl Backend for RedisBackend {
     }
 
     async fn cancel_reason(&self, keys: &QuotaKeys, task_id: &str) -> Result<Option<String>> {
-        let key = keys.cancel(task_id);
-        let key = &key;
-        self.on_link(&keys.name, |mut conn| async move {
-            redis::cmd("GET")
-                .arg(key)
-                .query_async::<Option<String>>(&mut conn)
-                .await
+        // On the leasehold runtime like every other call: a call that makes the connection (the
+        // first of a lazy backend, or a reconnect) would otherwise leave its driver task on the
+        // caller's runtime, where a blocked or idle application stalls every renewal (found by
+        // review).
+        let (this, name, key) = (self.clone(), keys.name.clone(), keys.cancel(task_id));
+        runtime::run(async move {
+            let key = &key;
+            this.on_link(&name, |mut conn| async move {
+                redis::cmd("GET")
+                    .arg(key)
+                    .query_async::<Option<String>>(&mut conn)
+                    .await
+            })
+            .await
         })
         .await
     }

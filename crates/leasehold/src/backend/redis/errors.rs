@@ -87,6 +87,16 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         // cannot help, and it is no reason to open the circuit.
         return Misconfiguration::Protocol(text).into();
     }
+    if code == "ERR" && text.contains("unknown command") {
+        // A command leasehold sends is renamed or disabled (`rename-command`), or a proxy does
+        // not pass it on: it stays unknown, so retrying cannot help, and a backend-down policy
+        // must not grant local leases for ever on a server that answers (found by review).
+        return Misconfiguration::Protocol(format!(
+            "the server does not know a command leasehold sends (renamed or disabled with \
+             rename-command, or a proxy that does not pass it on?): {text}"
+        ))
+        .into();
+    }
     if text.contains("invalid peer certificate") || text.contains("certificate verify failed") {
         return Misconfiguration::Tls(text).into();
     }
