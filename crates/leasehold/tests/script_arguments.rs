@@ -385,3 +385,38 @@ async fn both_backends_refuse_a_token_no_admission_gives() {
         );
     }
 }
+
+/// Out-of-range arguments through the `Backend` trait (a `Quota` checks them first): the memory
+/// backend refuses what the scripts refuse, as a misconfiguration, and changes nothing. Found by
+/// review: it admitted with a ttl of 0 (a lease dead at birth), stored a limit of 0, and panicked
+/// on a ttl of `Duration::MAX` after taking a token.
+#[tokio::test]
+async fn both_backends_refuse_out_of_range_ttls_and_limits() {
+    let server = RedisServer::start();
+    let redis: std::sync::Arc<dyn Backend> =
+        std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
+    let memory: std::sync::Arc<dyn Backend> = std::sync::Arc::new(leasehold::MemoryBackend::new());
+    let keys = QuotaKeys::new("ranges").unwrap();
+    let limit = |limit| VersionedLimit { limit, version: 0 };
+    for (name, backend) in [("redis", redis), ("memory", memory)] {
+        for (what, ttl, limit) in [
+            ("ttl 0", Duration::ZERO, limit(2)),
+            ("ttl Duration::MAX", Duration::MAX, limit(2)),
+            ("limit 0", TTL, limit(0)),
+        ] {
+            let refused = backend.acquire_with_limit(&keys, "a", ttl, limit).await;
+            assert!(
+                matches!(&refused, Err(Error::Misconfigured(_))),
+                "{name}, {what}: {refused:?}"
+            );
+        }
+        let refused = backend.set_limit(&keys, 0, None).await;
+        assert!(
+            matches!(&refused, Err(Error::Misconfigured(_))),
+            "{name}, set_limit 0: {refused:?}"
+        );
+        // Nothing was taken: the first admission gets token 1.
+        let lease = admit(backend.as_ref(), &keys, "b").await;
+        assert_eq!(lease.token, 1, "{name}");
+    }
+}

@@ -15,7 +15,7 @@ use super::{
     Snapshot, VersionedLimit,
 };
 use crate::error::{Misconfiguration, Result};
-use crate::keys::{QuotaKeys, MAX_LIMIT_VERSION, MAX_SCRIPT_INTEGER};
+use crate::keys::{QuotaKeys, MAX_LIMIT, MAX_LIMIT_VERSION, MAX_SCRIPT_INTEGER};
 
 /// Capacity of each quota's event channel; a slow receiver loses old events (at most once).
 const EVENT_CAPACITY: usize = 1024;
@@ -116,11 +116,37 @@ impl QuotaState {
     }
 
     fn cancel_reason(&mut self, task_id: &str, now: u64) -> Option<String> {
-        // Redis keeps a key with a TTL up to its expiry millisecond included.
-        self.cancelled.retain(|_, (_, expires)| *expires >= now);
-        self.cancelled
-            .get(task_id)
-            .map(|(reason, _)| reason.clone())
+        // Redis keeps a key with a TTL up to its expiry millisecond included. One lookup: a
+        // renewal asks once per lease (a scan of every marker each time cost 0.7 s for 5000
+        // leases and 10 000 markers, found by review); `cancel` prunes the rest.
+        match self.cancelled.get(task_id) {
+            Some((reason, expires)) if *expires >= now => Some(reason.clone()),
+            Some(_) => {
+                self.cancelled.remove(task_id);
+                None
+            }
+            None => None,
+        }
+    }
+}
+
+/// A ttl the scripts take (1 ms to 2^53 − 1 ms), in ms: what the Redis backend refuses, this one
+/// refuses too (callers of the trait, not `Quota`, which checks first), rather than answering
+/// with a deadline of now or overflowing.
+fn checked_ttl(ttl: Duration) -> Result<u64> {
+    match u64::try_from(ttl.as_millis()) {
+        Ok(ms) if (1..=MAX_SCRIPT_INTEGER).contains(&ms) => Ok(ms),
+        _ => Err(Misconfiguration::Protocol(format!("LEASEHOLD invalid ttl: {ttl:?}")).into()),
+    }
+}
+
+/// A limit the scripts take (1 to [`MAX_LIMIT`]).
+fn checked_limit(limit: u32) -> Result<()> {
+    match (1..=MAX_LIMIT).contains(&limit) {
+        true => Ok(()),
+        false => {
+            Err(Misconfiguration::Protocol(format!("LEASEHOLD invalid limit: {limit}")).into())
+        }
     }
 }
 
@@ -229,7 +255,11 @@ impl Backend for MemoryBackend {
         ttl: Duration,
         limit: VersionedLimit,
     ) -> Result<AcquireReply> {
-        let ttl_ms = ttl.as_millis() as u64;
+        let ttl_ms = checked_ttl(ttl)?;
+        checked_limit(limit.limit)?;
+        if limit.version > MAX_LIMIT_VERSION {
+            return Err(Misconfiguration::InvalidLimitVersion(limit.version).into());
+        }
         Ok(self.with_quota(&keys.name, |q, now| {
             let seen = std::mem::take(&mut q.epochs.seen);
             q.epoch_call(&seen, now, ttl_ms);
@@ -293,7 +323,7 @@ impl Backend for MemoryBackend {
             ))
             .into());
         }
-        let ttl_ms = ttl.as_millis() as u64;
+        let ttl_ms = checked_ttl(ttl)?;
         Ok(self.with_quota(&keys.name, |q, now| {
             let stale = q.epoch_call(epoch, now, ttl_ms);
             let reregister = stale && q.epochs.quarantine_until_ms > now;
@@ -348,6 +378,10 @@ impl Backend for MemoryBackend {
         limit: u32,
         version: Option<u64>,
     ) -> Result<LimitUpdate> {
+        checked_limit(limit)?;
+        if let Some(version) = version.filter(|v| *v > MAX_LIMIT_VERSION) {
+            return Err(Misconfiguration::InvalidLimitVersion(version).into());
+        }
         Ok(self.with_quota(&keys.name, |q, _now| {
             let version = match (version, q.limit) {
                 (Some(version), _) => version,
@@ -394,7 +428,11 @@ impl Backend for MemoryBackend {
         marker_ttl: Duration,
     ) -> Result<bool> {
         Ok(self.with_quota(&keys.name, |q, now| {
-            let expires = now.saturating_add(marker_ttl.as_millis().try_into().unwrap_or(u64::MAX));
+            // At least 1 ms, as the Redis backend sends it.
+            let marker_ms = marker_ttl.as_millis().clamp(1, u128::from(u64::MAX)) as u64;
+            let expires = now.saturating_add(marker_ms);
+            // Markers that expired go here, so that an idle quota's do not pile up.
+            q.cancelled.retain(|_, (_, until)| *until >= now);
             q.cancelled
                 .insert(task_id.to_owned(), (reason.to_owned(), expires));
             self.announce(
