@@ -118,7 +118,7 @@ impl QuotaState {
     fn cancel_reason(&mut self, task_id: &str, now: u64) -> Option<String> {
         // Redis keeps a key with a TTL up to its expiry millisecond included. One lookup: a
         // renewal asks once per lease (a scan of every marker each time cost 0.7 s for 5000
-        // leases and 10 000 markers, found by review); `cancel` prunes the rest.
+        // leases and 10 000 markers, found by review); acquires and `cancel` prune the rest.
         match self.cancelled.get(task_id) {
             Some((reason, expires)) if *expires >= now => Some(reason.clone()),
             Some(_) => {
@@ -269,6 +269,8 @@ impl Backend for MemoryBackend {
             // Reaped before any answer, as the script does once per call: an acquire answered
             // "cancelled" reaps too.
             q.leases.retain(|_, s| s.deadline_ms > now);
+            // Expired markers go once per acquire (not once per lease of a renewal).
+            q.cancelled.retain(|_, (_, until)| *until >= now);
             if let Some(reason) = q.cancel_reason(task_id, now) {
                 return AcquireReply::Cancelled { reason };
             }
