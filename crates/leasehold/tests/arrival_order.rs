@@ -155,13 +155,15 @@ async fn a_release_before_the_subscription_is_in_place_still_wakes_the_waiter() 
 async fn a_waiter_dropped_during_its_woken_attempt_passes_the_freed_slot_on() {
     let backend = Arc::new(Switchable::default());
     let counting = Counting::new(backend.clone());
-    let quota = Quota::builder("order-dropped")
-        .limit(1)
-        .ttl(Duration::from_secs(30))
-        .poll_interval(Duration::from_secs(10))
-        .shared_backend(counting.clone())
-        .build()
-        .unwrap();
+    let quota = common::quota_with(
+        counting.clone(),
+        "order-dropped",
+        1,
+        Duration::from_secs(30),
+    )
+    .poll_interval(Duration::from_secs(10))
+    .build()
+    .unwrap();
     let holder = quota.try_acquire("holder").await.unwrap();
     let dropped = {
         let quota = quota.clone();

@@ -354,14 +354,23 @@ fn a_quarantine_key_of_another_type_re_registers_nothing() {
     assert_eq!(score, Reply::Nil, "ghost was re-registered");
 }
 
+/// A client of `server` and an in-memory backend, by name: the same calls go to each.
+async fn both_backends(server: &RedisServer) -> [(&'static str, std::sync::Arc<dyn Backend>); 2] {
+    let redis = RedisBackend::connect(&server.url()).await.unwrap();
+    [
+        ("redis", std::sync::Arc::new(redis)),
+        (
+            "memory",
+            std::sync::Arc::new(leasehold::MemoryBackend::new()),
+        ),
+    ]
+}
+
 #[tokio::test]
 async fn both_backends_refuse_a_token_no_admission_gives() {
     let server = RedisServer::start();
-    let redis: std::sync::Arc<dyn Backend> =
-        std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
-    let memory: std::sync::Arc<dyn Backend> = std::sync::Arc::new(leasehold::MemoryBackend::new());
     let keys = QuotaKeys::new("tokens").unwrap();
-    for (name, backend) in [("redis", redis), ("memory", memory)] {
+    for (name, backend) in both_backends(&server).await {
         let lease = admit(backend.as_ref(), &keys, "a").await;
         for token in [0, 1 << 53, u64::MAX] {
             let refused = backend
@@ -393,12 +402,9 @@ async fn both_backends_refuse_a_token_no_admission_gives() {
 #[tokio::test]
 async fn both_backends_refuse_out_of_range_ttls_and_limits() {
     let server = RedisServer::start();
-    let redis: std::sync::Arc<dyn Backend> =
-        std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
-    let memory: std::sync::Arc<dyn Backend> = std::sync::Arc::new(leasehold::MemoryBackend::new());
     let keys = QuotaKeys::new("ranges").unwrap();
     let limit = |limit| VersionedLimit { limit, version: 0 };
-    for (name, backend) in [("redis", redis), ("memory", memory)] {
+    for (name, backend) in both_backends(&server).await {
         for (what, ttl, limit) in [
             ("ttl 0", Duration::ZERO, limit(2)),
             ("ttl Duration::MAX", Duration::MAX, limit(2)),
