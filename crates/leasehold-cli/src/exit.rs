@@ -80,7 +80,7 @@ impl From<Error> for Failure {
             Error::Full { .. } | Error::TimedOut { .. } => NO_SLOT,
             Error::LeaseLost(_) => LEASE_LOST,
             Error::Cancelled(_) => CANCELLED,
-            Error::BackendUnavailable(_) => UNAVAILABLE,
+            Error::BackendUnavailable { .. } => UNAVAILABLE,
             Error::Misconfigured(_) => CONFIG,
             // `Error` is non-exhaustive: a kind added after this binary was written is still an
             // error, but this code cannot tell an operator what it means.

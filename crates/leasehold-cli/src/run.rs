@@ -4,7 +4,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-use leasehold::{Error, Lease, LostReason, Quota};
+use leasehold::{Error, Lease, LostReason, Quota, Unavailable};
 use tokio::process::{Child, Command};
 
 use crate::cli::RunArgs;
@@ -184,7 +184,7 @@ async fn release(lease: &Lease) {
 async fn release_lost(lease: &Lease) -> bool {
     !matches!(
         tokio::time::timeout(RELEASE_AFTER_LOSS, lease.release()).await,
-        Err(_) | Ok(Err(Error::BackendUnavailable(_)))
+        Err(_) | Ok(Err(Error::BackendUnavailable { .. }))
     )
 }
 
@@ -233,7 +233,7 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
             }
         };
         let down = match result {
-            Err(Error::BackendUnavailable(down)) => down,
+            Err(down @ Error::BackendUnavailable { .. }) => down,
             Err(Error::TimedOut { .. }) => {
                 return Err(ran_out(quota, wait.unwrap_or_default()).await);
             }
@@ -242,12 +242,12 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
         let left = until.map(|until| until.saturating_duration_since(Instant::now()));
         if left.is_some_and(|left| left.is_zero()) {
             // This attempt was the last, and Redis did not answer it.
-            return Err(Error::BackendUnavailable(down).into());
+            return Err(down.into());
         }
         if !told {
             eprintln!(
                 "leasehold: Redis unavailable ({}); still waiting for a slot",
-                exit::one_line(&down)
+                exit::one_line(&unavailable_detail(&down))
             );
             told = true;
         }
@@ -265,15 +265,21 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
 /// most [`LOOK_AT_REDIS`] when it does not.
 async fn ran_out(quota: &Quota, wait: Duration) -> Failure {
     let unreachable = match tokio::time::timeout(LOOK_AT_REDIS, quota.status()).await {
-        Err(_) => Some(format!("no answer within {LOOK_AT_REDIS:?}")),
-        Ok(Err(Error::BackendUnavailable(down))) => Some(down),
+        Err(_) => Some((
+            Unavailable::NoReply,
+            format!("no answer within {LOOK_AT_REDIS:?}"),
+        )),
+        Ok(Err(Error::BackendUnavailable { kind, detail, .. })) => Some((kind, detail)),
         Ok(_) => None,
     };
     match unreachable {
-        Some(down) => Error::BackendUnavailable(format!(
-            "Redis unreachable when --wait {} ran out ({down})",
-            humantime::format_duration(wait)
-        ))
+        Some((kind, down)) => Error::unavailable(
+            kind,
+            format!(
+                "Redis unreachable when --wait {} ran out ({down})",
+                humantime::format_duration(wait)
+            ),
+        )
         .into(),
         // Redis answers now: the wait was for a slot.
         None => Error::TimedOut {
@@ -464,5 +470,14 @@ fn exit_code(status: ExitStatus) -> i32 {
         (Some(code), _) => code,
         (None, Some(sig)) => 128 + sig,
         (None, None) => exit::SOFTWARE,
+    }
+}
+
+/// The backend's words of an [`Error::BackendUnavailable`], without the "backend unavailable"
+/// prefix the CLI's own message replaces.
+fn unavailable_detail(error: &Error) -> String {
+    match error {
+        Error::BackendUnavailable { detail, .. } => detail.clone(),
+        other => other.to_string(),
     }
 }

@@ -221,6 +221,51 @@ fn full_text(quota: &str, cause: &FullCause) -> String {
     }
 }
 
+/// Why the backend could not serve a call, split by what the caller knows of its outcome.
+///
+/// An acquire that failed with [`NoReply`](Unavailable::NoReply) may have admitted the task:
+/// that slot stays taken, unrenewed, for one ttl unless the same task id is acquired again
+/// (which returns that lease) or force-released. The other kinds took nothing. More kinds may
+/// come: match with a wildcard arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Unavailable {
+    /// Not sent: the quota's short-circuit is open after repeated failures, and refuses calls
+    /// here until its cool-down lets a probe through (no network I/O, no wait).
+    ShortCircuit,
+    /// Not sent: there is no connection to the server (refused, or none made within the call's
+    /// timeout: the host unreachable, a TLS handshake that never finishes).
+    NoConnection,
+    /// Not run: the server refused it for now (`LOADING`, `READONLY`, `MASTERDOWN`,
+    /// `NOREPLICAS`, `OOM`, `BUSY`, `MISCONF`, `TRYAGAIN`, `CLUSTERDOWN`): a restart, a failover,
+    /// memory or disk full, another client's long script. The detail names the code.
+    ServerRefused,
+    /// Outcome unknown: the call may have been sent, but no reply came within the call's
+    /// timeout, the connection broke, or the reply could not be read. The backend may have run
+    /// it, or may still run it (a server that stalled, then resumed).
+    NoReply,
+}
+
+impl Unavailable {
+    /// True when the backend may have run the call, or may still run it: only for
+    /// [`NoReply`](Unavailable::NoReply). The other kinds were refused before the backend
+    /// ran anything.
+    pub fn may_have_run(self) -> bool {
+        matches!(self, Unavailable::NoReply)
+    }
+}
+
+impl std::fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Unavailable::ShortCircuit => "short-circuit open",
+            Unavailable::NoConnection => "no connection",
+            Unavailable::ServerRefused => "refused by the server for now",
+            Unavailable::NoReply => "no reply",
+        })
+    }
+}
+
 /// Every error leasehold returns.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
@@ -262,15 +307,22 @@ pub enum Error {
     /// The backend could not be reached or answered with a transient error (connection refused,
     /// timeout, LOADING, READONLY, ...). Retrying later may succeed.
     ///
-    /// A call that timed out has an unknown outcome: the backend may still run it after the
-    /// client gave up (a Redis that stalled, then resumed). An acquire may thus have admitted the
+    /// A call that got no reply ([`Unavailable::NoReply`]) has an unknown outcome: the backend
+    /// may still run it after the client gave up (a Redis that stalled, then resumed). An acquire may thus have admitted the
     /// task, and that slot then stays taken, unrenewed, for one ttl, unless the same task id is
     /// acquired again, which returns that lease (an idempotent retry, never a second slot).
     /// Retry an acquire with the same task id; to give the task up instead,
     /// [`Quota::force_release`](crate::Quota::force_release) of an id that only this caller
-    /// uses frees such a slot at once.
-    #[error("backend unavailable: {0}")]
-    BackendUnavailable(String),
+    /// uses frees such a slot at once. The other kinds took nothing.
+    #[error("backend unavailable: {detail}")]
+    #[non_exhaustive]
+    BackendUnavailable {
+        /// What kind of unavailability: refused here, not connected, refused by the server for
+        /// now, or no reply.
+        kind: Unavailable,
+        /// What happened, in the backend's words (the server's error text, the timeout).
+        detail: String,
+    },
     /// The configuration or input is wrong; retrying will not help.
     #[error("misconfigured: {0}")]
     Misconfigured(Misconfiguration),
@@ -289,8 +341,17 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Error::Full { .. } | Error::TimedOut { .. } | Error::BackendUnavailable(_)
+            Error::Full { .. } | Error::TimedOut { .. } | Error::BackendUnavailable { .. }
         )
+    }
+
+    /// An [`Error::BackendUnavailable`] of `kind`. For implementations of
+    /// [`Backend`](crate::Backend), and test doubles.
+    pub fn unavailable(kind: Unavailable, detail: impl Into<String>) -> Self {
+        Error::BackendUnavailable {
+            kind,
+            detail: detail.into(),
+        }
     }
 }
 

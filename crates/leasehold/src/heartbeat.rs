@@ -15,7 +15,7 @@ use tokio::time::sleep_until;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{RenewOutcome, RENEW_BATCH};
-use crate::error::{Error, LostReason, Misconfiguration};
+use crate::error::{Error, LostReason, Misconfiguration, Unavailable};
 use crate::lease::{LeaseInner, ReleaseState};
 use crate::quota::Shared;
 use crate::runtime;
@@ -178,9 +178,10 @@ async fn renew(
     let bound = shared.config.local_deadline(sent) - sent;
     let reply = match tokio::time::timeout(bound, call).await {
         Ok(reply) => reply,
-        Err(_) => Err(Error::BackendUnavailable(format!(
-            "no renewal reply within {bound:?}"
-        ))),
+        Err(_) => Err(Error::unavailable(
+            Unavailable::NoReply,
+            format!("no renewal reply within {bound:?}"),
+        )),
     };
     if regular || reply.is_ok() {
         shared.record_backend_result(&reply, sent);

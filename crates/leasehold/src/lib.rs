@@ -56,7 +56,7 @@ pub use backend::redis::{RedisBackend, RedisOptions};
 pub use backend::{Backend, LimitUpdate, VersionedLimit};
 pub use breaker::{BreakerConfig, BreakerMode};
 pub use config::{BackendDownPolicy, QuotaBuilder, MAX_CANCEL_MARKER_TTL, MAX_TTL, MIN_TTL};
-pub use error::{Error, FullCause, LostReason, Misconfiguration, Result};
+pub use error::{Error, FullCause, LostReason, Misconfiguration, Result, Unavailable};
 pub use keys::{
     validate_cancel_reason, validate_task_id, QuotaKeys, MAX_CANCEL_REASON_BYTES, MAX_LIMIT,
     MAX_LIMIT_VERSION, MAX_QUOTA_NAME_BYTES, MAX_TASK_ID_BYTES, PROTOCOL_VERSION,

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Unavailable};
 
 static HANDLE: OnceLock<Handle> = OnceLock::new();
 static THREAD: OnceLock<std::thread::ThreadId> = OnceLock::new();
@@ -67,7 +67,10 @@ where
     F: Future<Output = Result<T>> + Send + 'static,
     T: Send + 'static,
 {
-    spawn(fut)
-        .await
-        .map_err(|e| Error::BackendUnavailable(format!("leasehold runtime task failed: {e}")))?
+    spawn(fut).await.map_err(|e| {
+        Error::unavailable(
+            Unavailable::NoReply,
+            format!("leasehold runtime task failed: {e}"),
+        )
+    })?
 }

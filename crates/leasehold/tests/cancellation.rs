@@ -715,7 +715,7 @@ async fn waiters_and_holders_end_when_the_server_goes_away() {
     assert_eq!(reason, LostReason::LocalDeadline);
     for w in waiters {
         let r = within(Duration::from_secs(4), "waiter", w).await.unwrap();
-        assert!(matches!(r, Err(Error::BackendUnavailable(_))), "{r:?}");
+        assert!(matches!(r, Err(Error::BackendUnavailable { .. })), "{r:?}");
     }
     println!("waiters ended {:?} after the server went", gone.elapsed());
     drop(lease);
@@ -1043,9 +1043,9 @@ async fn cancel_one_while_down(
     let fut = cancel_one_any(quota, id.clone(), how, after);
     match fut.await {
         Some(Ok(lease)) => Some(lease),
-        Some(Err(Error::TimedOut { .. } | Error::Full { .. } | Error::BackendUnavailable(_))) => {
-            None
-        }
+        Some(Err(
+            Error::TimedOut { .. } | Error::Full { .. } | Error::BackendUnavailable { .. },
+        )) => None,
         Some(Err(e)) => panic!("{how:?} {id}: unexpected error {e}"),
         None => None,
     }

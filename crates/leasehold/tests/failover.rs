@@ -50,7 +50,7 @@ async fn first_answer(quota: &Quota, task_id: &str) -> Result<Lease, Error> {
     let end = Instant::now() + Duration::from_secs(10);
     loop {
         match quota.try_acquire(task_id).await {
-            Err(Error::BackendUnavailable(_)) if Instant::now() < end => {
+            Err(Error::BackendUnavailable { .. }) if Instant::now() < end => {
                 tokio::time::sleep(Duration::from_millis(20)).await
             }
             other => return other,
@@ -150,7 +150,7 @@ async fn fail_over_to_a_lagging_replica() -> FailedOver {
     let failover = Instant::now();
     proxy.set_upstream(replica.port());
     match quota.try_acquire("early").await {
-        Err(Error::BackendUnavailable(text)) => println!("before the promotion: {text}"),
+        Err(e @ Error::BackendUnavailable { .. }) => println!("before the promotion: {e}"),
         other => panic!("a replica's refusal is an outage: {other:?}"),
     }
     assert!(replica

@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use leasehold::{Error, Misconfiguration, RedisBackend, RedisOptions};
+use leasehold::{Error, Misconfiguration, RedisBackend, RedisOptions, Unavailable};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::RedisServer;
 
@@ -127,10 +127,10 @@ async fn a_reconnection_refused_by_a_busy_script_recovers_once_the_script_is_kil
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     proxy.drop_connections();
-    let err = refused(
-        &backend,
-        |e| matches!(e, Error::BackendUnavailable(why) if why.contains("BUSY")),
-    )
+    let err = refused(&backend, |e| {
+        matches!(e, Error::BackendUnavailable { kind: Unavailable::ServerRefused, detail, .. }
+                if detail.contains("BUSY"))
+    })
     .await;
     assert!(err.is_transient(), "{err:?}");
     assert!(server.command(&["SCRIPT", "KILL"]).as_string().is_some());
@@ -235,7 +235,7 @@ async fn a_reconnection_to_something_other_than_redis_recovers_when_moved_back()
     let backend = connect(&proxy.url()).await;
     ping(&backend).await.unwrap();
     proxy.set_upstream(not_redis.port);
-    refused(&backend, |e| matches!(e, Error::BackendUnavailable(_))).await;
+    refused(&backend, |e| matches!(e, Error::BackendUnavailable { .. })).await;
     proxy.set_upstream(good.port());
     recovered(&backend, "the connection was moved back").await;
 }
@@ -250,7 +250,7 @@ async fn a_lazy_backend_whose_first_connection_is_not_to_redis_recovers_when_mov
     let backend = RedisBackend::connect_lazy(&proxy.url(), options())
         .await
         .unwrap();
-    refused(&backend, |e| matches!(e, Error::BackendUnavailable(_))).await;
+    refused(&backend, |e| matches!(e, Error::BackendUnavailable { .. })).await;
     proxy.set_upstream(good.port());
     recovered(&backend, "the connection was moved to Redis").await;
 }

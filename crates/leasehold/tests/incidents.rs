@@ -585,7 +585,7 @@ async fn a_waiter_is_still_woken_by_events_after_a_debug_sleep_replaced_the_conn
                 .acquire_timeout("waiter", end - Instant::now())
                 .await
             {
-                Err(Error::BackendUnavailable(_)) if Instant::now() < end => transient += 1,
+                Err(Error::BackendUnavailable { .. }) if Instant::now() < end => transient += 1,
                 other => break other,
             }
         };

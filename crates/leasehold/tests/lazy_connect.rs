@@ -17,7 +17,7 @@ async fn acquire_once_redis_answers(quota: &Quota, task_id: &str) -> leasehold::
     loop {
         match quota.try_acquire(task_id).await {
             Ok(lease) => break lease,
-            Err(Error::BackendUnavailable(_)) if Instant::now() < give_up => {
+            Err(Error::BackendUnavailable { .. }) if Instant::now() < give_up => {
                 tokio::time::sleep(Duration::from_millis(50)).await
             }
             Err(e) => panic!("{task_id}: {e:?}"),
@@ -64,7 +64,7 @@ async fn a_worker_started_while_redis_is_down_admits_by_its_policy_then_in_redis
     ));
     assert!(matches!(
         closed.try_acquire("refused").await,
-        Err(Error::BackendUnavailable(_))
+        Err(Error::BackendUnavailable { .. })
     ));
     local.release().await.unwrap();
 

@@ -382,7 +382,7 @@ async fn outage(backend: &Arc<dyn Backend>, prefix: &str) {
         for i in 0..20 {
             let id = format!("r{round}-down-{i}");
             match closed.try_acquire(&id).await {
-                Err(Error::BackendUnavailable(_)) => unavailable += 1,
+                Err(Error::BackendUnavailable { .. }) => unavailable += 1,
                 other => panic!("{id}: {other:?}"),
             }
             match local.try_acquire(&id).await {

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::scripts::{acquire_args, run, RELEASE_LUA};
-use leasehold::{Error, LostReason, Misconfiguration, Quota, QuotaKeys, RedisBackend};
+use leasehold::{Error, LostReason, Misconfiguration, Quota, QuotaKeys, RedisBackend, Unavailable};
 use leasehold_testkit::{free_port, RedisServer};
 
 async fn quota_on(server: &RedisServer, name: &str, limit: u64, ttl: Duration) -> Quota {
@@ -168,7 +168,16 @@ async fn tls_against_a_plain_server_says_what_to_check() {
     };
     let url = format!("rediss://127.0.0.1:{}/", server.port());
     let err = RedisBackend::connect_with(&url, options).await.unwrap_err();
-    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::BackendUnavailable {
+                kind: Unavailable::NoConnection,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("use redis://"), "{err}");
 }
 
@@ -268,7 +277,16 @@ async fn an_unreachable_server_fails_fast_as_unavailable() {
     let err = RedisBackend::connect(&format!("redis://user:s3cret@127.0.0.1:{port}/"))
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::BackendUnavailable {
+                kind: Unavailable::NoConnection,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert!(err.is_transient());
     // It names the server (a process may use several), never the password.
     let text = err.to_string();
@@ -352,7 +370,7 @@ async fn scripts_are_reloaded_after_flush_and_restart() {
         match quota.try_acquire("c").await {
             Ok(lease) => break lease,
             // Reconnecting, then quarantined: the restart erased the epoch this client saw.
-            Err(e @ (Error::BackendUnavailable(_) | Error::Full { .. }))
+            Err(e @ (Error::BackendUnavailable { .. } | Error::Full { .. }))
                 if Instant::now() < end =>
             {
                 println!("after the restart: {e}");
@@ -1401,7 +1419,17 @@ async fn a_read_only_or_full_server_is_unavailable_not_misconfigured() {
     let unreachable = free_port().to_string();
     server.command(&["REPLICAOF", "127.0.0.1", &unreachable]);
     let err = quota.try_acquire("during-failover").await.unwrap_err();
-    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    // Refused before the script wrote anything: the attempt took no slot.
+    assert!(
+        matches!(
+            err,
+            Error::BackendUnavailable {
+                kind: Unavailable::ServerRefused,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert!(err.is_transient(), "{err:?}");
     assert!(err.to_string().contains("READONLY"), "{err}");
     server.command(&["REPLICAOF", "NO", "ONE"]);
@@ -1410,7 +1438,16 @@ async fn a_read_only_or_full_server_is_unavailable_not_misconfigured() {
     // Out of memory under `noeviction`: the server refuses writes until memory is freed.
     server.command(&["CONFIG", "SET", "maxmemory", "1"]);
     let err = quota.try_acquire("out-of-memory").await.unwrap_err();
-    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Error::BackendUnavailable {
+                kind: Unavailable::ServerRefused,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("OOM"), "{err}");
     server.command(&["CONFIG", "SET", "maxmemory", "0"]);
     acquire_once_back(&quota, "after-oom").await;

@@ -67,7 +67,7 @@ async fn a_reply_cut_by_a_closed_connection_is_transient_not_misconfiguration() 
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::BackendUnavailable(_)),
+        matches!(err, Error::BackendUnavailable { .. }),
         "a connection closed mid-reply must be transient, got {err:?}"
     );
     // The connection is replaced: the next call goes through.
@@ -110,7 +110,7 @@ async fn a_failing_background_save_misconf_is_transient_not_misconfiguration() {
     let _ = std::fs::remove_dir_all(&blocker);
     assert!(err.to_string().contains("MISCONF"), "{err}");
     assert!(
-        matches!(err, Error::BackendUnavailable(_)),
+        matches!(err, Error::BackendUnavailable { .. }),
         "MISCONF passes once the disk is back: transient, got {err:?}"
     );
 }
@@ -175,7 +175,7 @@ async fn a_replica_without_its_master_is_unavailable_never_full_until_promoted()
         println!("acquire {id} on the masterless replica: {err}");
         assert!(err.to_string().contains("MASTERDOWN"), "{err}");
         assert!(
-            matches!(err, Error::BackendUnavailable(_)),
+            matches!(err, Error::BackendUnavailable { .. }),
             "MASTERDOWN passes with the link or a promotion: transient, got {err:?}"
         );
     }

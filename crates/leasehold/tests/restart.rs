@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use leasehold::{Error, FullCause, LostReason, Quota, QuotaKeys, RedisBackend};
+use leasehold::{Error, FullCause, LostReason, Quota, QuotaKeys, RedisBackend, Unavailable};
 use leasehold_testkit::{RedisServer, Reply};
 
 mod common;
@@ -195,12 +195,14 @@ async fn a_restart_that_loads_its_dataset_slowly_is_unavailable_never_full_and_l
         }
         during += 1;
         match answer {
-            Err(Error::BackendUnavailable(reason)) => {
-                let text = reason.to_string();
-                if text.contains("LOADING") {
+            Err(Error::BackendUnavailable { kind, detail, .. }) => {
+                if detail.contains("LOADING") {
+                    // Refused, not run: nothing of the attempt can have been admitted.
+                    assert_eq!(kind, Unavailable::ServerRefused, "{detail}");
                     loading_named += 1;
                 }
-                *kinds.entry(text.chars().take(70).collect()).or_default() += 1;
+                let text: String = detail.chars().take(70).collect();
+                *kinds.entry(format!("{kind}: {text}")).or_default() += 1;
             }
             other => panic!(
                 "attempt {during}, {:?} into the load: {other:?}, not `BackendUnavailable`",
@@ -231,7 +233,7 @@ async fn a_restart_that_loads_its_dataset_slowly_is_unavailable_never_full_and_l
                 answered_full = Some(restarted.elapsed() - loaded);
                 break;
             }
-            Err(Error::BackendUnavailable(_)) => {}
+            Err(Error::BackendUnavailable { .. }) => {}
             answer => panic!("after the load: {answer:?}"),
         }
         tokio::time::sleep(ATTEMPT_EVERY).await;
@@ -294,7 +296,7 @@ async fn an_outage_of_three_ttls_ends_with_the_old_holders_stopped_before_anyone
     while killed.elapsed() < OUTAGE_TTL * 3 {
         attempts += 1;
         match other.try_acquire(&format!("during-{attempts}")).await {
-            Err(Error::BackendUnavailable(_)) => unavailable += 1,
+            Err(Error::BackendUnavailable { .. }) => unavailable += 1,
             answer => panic!("during the outage: {answer:?}"),
         }
         tokio::time::sleep(ATTEMPT_EVERY).await;
@@ -323,7 +325,7 @@ async fn an_outage_of_three_ttls_ends_with_the_old_holders_stopped_before_anyone
     let c1 = loop {
         match other.try_acquire("c1").await {
             Ok(lease) => break lease,
-            Err(Error::BackendUnavailable(_)) => {}
+            Err(Error::BackendUnavailable { .. }) => {}
             answer => panic!("after the restart: {answer:?}"),
         }
         assert!(restarted.elapsed() < Duration::from_secs(5), "no admission");

@@ -12,7 +12,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::proxied::connect_through;
-use leasehold::{Error, Lease, LostReason, Quota, QuotaKeys};
+use leasehold::{Error, Lease, LostReason, Quota, QuotaKeys, Unavailable};
 use leasehold_testkit::proxy::FaultProxy;
 use leasehold_testkit::{RedisServer, Reply};
 
@@ -122,7 +122,7 @@ async fn split(min_replicas: bool) -> (Minority, Vec<Lease>, RedisServer, RedisS
         if (majority.len() as u64) < LIMIT {
             match right.try_acquire(&format!("b-{}", majority.len())).await {
                 Ok(lease) => majority.push(lease),
-                Err(Error::BackendUnavailable(_)) => {}
+                Err(Error::BackendUnavailable { .. }) => {}
                 Err(e) => panic!("majority side: {e:?}"),
             }
         }
@@ -132,9 +132,10 @@ async fn split(min_replicas: bool) -> (Minority, Vec<Lease>, RedisServer, RedisS
                 n += 1;
             }
             Err(Error::Full { .. }) => minority.full += 1,
-            Err(Error::BackendUnavailable(text)) => {
+            Err(Error::BackendUnavailable { kind, detail, .. }) => {
                 // NOREPLICAS first; then, after repeated refusals, the circuit breaker's own.
-                if text.contains("NOREPLICAS") {
+                if detail.contains("NOREPLICAS") {
+                    assert_eq!(kind, Unavailable::ServerRefused, "{detail}");
                     minority.first_refusal.get_or_insert(cut.elapsed());
                 }
                 minority.unavailable += 1;

@@ -28,7 +28,7 @@ async fn a_release_delivered_late_never_ends_a_later_holder_of_the_same_task() {
     let first = quota.try_acquire("t").await.unwrap();
     backend.hold_back_releases(true);
     let err = first.release().await.unwrap_err();
-    assert!(matches!(err, Error::BackendUnavailable(_)), "{err:?}");
+    assert!(matches!(err, Error::BackendUnavailable { .. }), "{err:?}");
     backend.hold_back_releases(false);
 
     // The old admission is still live in the backend; asking for the task again must not hand
@@ -67,4 +67,31 @@ async fn an_answered_release_leaves_nothing_to_settle() {
     let shared = quota.try_acquire("t").await.unwrap();
     assert_eq!(shared.fencing_token(), again.fencing_token());
     assert_eq!(backend.deliver_held_back().await, Vec::<bool>::new());
+}
+
+/// A release refused before it ran (no connection) cannot land late: the admission it named is
+/// still the task's, and the next acquire of the task gets it back as is, with no release sent
+/// again and no second admission.
+#[tokio::test]
+async fn a_release_refused_before_it_ran_leaves_nothing_to_land_late() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend);
+    let first = quota.try_acquire("t").await.unwrap();
+    backend.set_down(true);
+    let err = first.release().await.unwrap_err();
+    assert!(
+        matches!(err, Error::BackendUnavailable { kind, .. } if !kind.may_have_run()),
+        "{err:?}"
+    );
+    backend.set_down(false);
+
+    let again = quota.try_acquire("t").await.unwrap();
+    assert_eq!(again.fencing_token(), first.fencing_token());
+    let keys = QuotaKeys::new("late").unwrap();
+    let holders = backend.inner.snapshot(&keys).await.unwrap().holders;
+    assert_eq!(holders.len(), 1);
+    assert_eq!(holders[0].token, first.fencing_token());
+    again.release().await.unwrap();
+    let next = quota.try_acquire("other").await.unwrap();
+    assert!(next.fencing_token() > first.fencing_token());
 }

@@ -66,7 +66,7 @@ async fn a_wedged_connection_is_replaced_and_leases_admissions_and_events_go_on(
     let after = loop {
         match quota.try_acquire("after").await {
             Ok(lease) => break lease,
-            Err(Error::BackendUnavailable(_)) if Instant::now() < end => {
+            Err(Error::BackendUnavailable { .. }) if Instant::now() < end => {
                 tokio::time::sleep(Duration::from_millis(50)).await
             }
             Err(e) => panic!("after {:?}: {e:?}", wedged_at.elapsed()),
@@ -146,7 +146,9 @@ async fn a_slow_redis_that_answers_within_the_call_timeout_replaces_nothing() {
         // Full (the slot is held): a full round trip through the slow link each time.
         match quota.try_acquire("other").await {
             Err(Error::Full { .. }) => calls += 1,
-            Err(Error::BackendUnavailable(e)) => println!("a call timed out: {e}"),
+            Err(Error::BackendUnavailable { kind, detail, .. }) => {
+                println!("a call failed ({kind}): {detail}")
+            }
             other => panic!("{other:?}"),
         }
     }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
-use crate::error::{Error, Misconfiguration, Result};
+use crate::error::{Error, Misconfiguration, Result, Unavailable};
 use crate::runtime;
 
 /// A queue of calls of one kind (one quota's admissions, or its releases) sent in batches.
@@ -89,8 +89,9 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
             runtime::spawn(self.clone().send_batch(send));
         }
         answer.await.unwrap_or_else(|_| {
-            Err(Error::BackendUnavailable(
-                "leasehold runtime stopped during a call".into(),
+            Err(Error::unavailable(
+                Unavailable::NoReply,
+                "leasehold runtime stopped during a call",
             ))
         })
     }
@@ -230,7 +231,7 @@ mod tests {
                 let n = attempts.fetch_add(1, Ordering::SeqCst);
                 async move {
                     if n == 0 {
-                        Err(Error::BackendUnavailable("down".into()))
+                        Err(Error::unavailable(Unavailable::NoConnection, "down"))
                     } else {
                         Ok(batch)
                     }
@@ -238,7 +239,7 @@ mod tests {
             }
         };
         let first = batcher.submit(1, send.clone()).await;
-        assert!(matches!(first, Err(Error::BackendUnavailable(_))));
+        assert!(matches!(first, Err(Error::BackendUnavailable { .. })));
         assert_eq!(batcher.submit(2, send.clone()).await.unwrap(), 2);
         let short = batcher
             .submit(3, |_batch: Vec<u32>| async { Ok(Vec::new()) })

@@ -47,7 +47,7 @@ use super::{
     AcquireReply, Backend, LeaseRecord, LimitUpdate, QuotaEvent, RenewReply, Snapshot,
     VersionedLimit, RENEW_BATCH,
 };
-use crate::error::{Error, Misconfiguration, Result};
+use crate::error::{Error, Misconfiguration, Result, Unavailable};
 use crate::keys::QuotaKeys;
 use crate::runtime;
 
@@ -251,14 +251,16 @@ impl RedisBackend {
         .await
         .map_err(|e| match e {
             // Say which server: a process may use several.
-            Error::BackendUnavailable(why) => {
+            Error::BackendUnavailable {
+                kind, detail: why, ..
+            } => {
                 // A server without TLS never answers a TLS handshake: the client times out,
                 // which looks like any unreachable server.
                 let hint = match url.starts_with("rediss://") {
                     true => " (if the server does not speak TLS, use redis://)",
                     false => "",
                 };
-                Error::BackendUnavailable(format!("{}: {why}{hint}", redacted(url)))
+                Error::unavailable(kind, format!("{}: {why}{hint}", redacted(url)))
             }
             other => other,
         })
@@ -456,9 +458,10 @@ impl RedisBackend {
             Ok(Ok(value)) => return Ok(value),
             Ok(Err(e)) => (refused_at_handshake(&e), map_error(e, quota)),
             Err(_) => {
-                return Err(Error::BackendUnavailable(format!(
-                    "no reply from redis within {timeout:?}"
-                )))
+                return Err(Error::unavailable(
+                    Unavailable::NoReply,
+                    format!("no reply from redis within {timeout:?}"),
+                ))
             }
         };
         // A refusal only a handshake meets (credentials, the URL's database, HELLO) is the
@@ -570,10 +573,14 @@ impl Backend for RedisBackend {
             // send the wrong epoch next time, and be answered gone instead of re-registering
             // (found by review). Unconfirmed, they keep their deadlines and are renewed again.
             if i > 0 && reply.epoch != renewed.epoch {
-                return Err(Error::BackendUnavailable(format!(
-                    "the quota's epoch changed between renewal batches ({} then {})",
-                    renewed.epoch, reply.epoch
-                )));
+                // Both batches ran: the earlier leases are renewed in Redis, not confirmed here.
+                return Err(Error::unavailable(
+                    Unavailable::NoReply,
+                    format!(
+                        "the quota's epoch changed between renewal batches ({} then {})",
+                        renewed.epoch, reply.epoch
+                    ),
+                ));
             }
             renewed.epoch = reply.epoch;
             renewed.outcomes.extend(reply.outcomes);

@@ -8,7 +8,7 @@ use tokio::sync::oneshot;
 use super::Shared;
 use crate::backend::AcquireReply;
 use crate::breaker::Permit;
-use crate::error::{Error, FullCause, LostReason, Misconfiguration, Result};
+use crate::error::{Error, FullCause, LostReason, Misconfiguration, Result, Unavailable};
 use crate::lease::Lease;
 use crate::runtime;
 
@@ -62,8 +62,9 @@ impl StartedAttempt {
                     let _ = taken.send(());
                 }
                 outcome.await.unwrap_or_else(|_| {
-                    Err(Error::BackendUnavailable(
-                        "leasehold runtime stopped during an attempt".into(),
+                    Err(Error::unavailable(
+                        Unavailable::NoReply,
+                        "leasehold runtime stopped during an attempt",
                     ))
                 })
             }
@@ -118,7 +119,10 @@ impl Shared {
         }
         if self.breaker.permit() == Permit::Reject {
             // O(1), no network I/O: the circuit is open.
-            let down = Error::BackendUnavailable("circuit open after repeated failures".into());
+            let down = Error::unavailable(
+                Unavailable::ShortCircuit,
+                "circuit open after repeated failures",
+            );
             return StartedAttempt::Done(self.when_down(task_id, down));
         }
         let (tx, rx) = oneshot::channel();
@@ -221,7 +225,7 @@ impl Shared {
                 Ok(AcquireReply::LimitMismatch { stored }) => Err(
                     Misconfiguration::limit_mismatch(shared.config.limit.limit, stored),
                 ),
-                Err(e @ Error::BackendUnavailable(_)) => shared.when_down(&id, e),
+                Err(e @ Error::BackendUnavailable { .. }) => shared.when_down(&id, e),
                 Err(e) => Err(e),
             };
             if let Err(Ok(Attempt::Admitted(orphan) | Attempt::AlreadyHeld(orphan))) =

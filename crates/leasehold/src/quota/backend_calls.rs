@@ -48,11 +48,12 @@ impl Shared {
         match &result {
             // A lease lives at most a ttl past its last renewal, all sent before this; twice
             // that leaves room for a server clock that runs a little faster than ours.
-            Err(Error::BackendUnavailable(_)) => self.admissions.release_unanswered(
-                task_id,
-                token,
-                Instant::now() + 2 * self.config.ttl,
-            ),
+            Err(Error::BackendUnavailable { kind, .. }) if kind.may_have_run() => self
+                .admissions
+                .release_unanswered(task_id, token, Instant::now() + 2 * self.config.ttl),
+            // Refused before it ran (no connection, the server's refusal): this one cannot land
+            // late, and settles nothing about an earlier one that got no answer.
+            Err(Error::BackendUnavailable { .. }) => {}
             _ => self.admissions.release_answered(task_id, token),
         }
         result

@@ -70,7 +70,7 @@ impl Shared {
                 (Ok(Some(reason)), Some(lease)) => {
                     lease.mark_lost(LostReason::Cancelled(reason));
                 }
-                (Err(Error::BackendUnavailable(_)), _) => return,
+                (Err(Error::BackendUnavailable { .. }), _) => return,
                 _ => {}
             }
         }
@@ -214,7 +214,7 @@ impl Shared {
     /// during an outage), after the spacing of attempts, unless it was refused.
     pub(crate) fn record_backend_result<T>(self: &Arc<Self>, result: &Result<T>, sent: Instant) {
         match result {
-            Err(Error::BackendUnavailable(_)) => self.breaker.failure(sent),
+            Err(Error::BackendUnavailable { .. }) => self.breaker.failure(sent),
             _ => {
                 if self.breaker.success() {
                     self.listen_now();

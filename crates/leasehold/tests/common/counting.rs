@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use leasehold::backend::{
     AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
 };
-use leasehold::{Backend, Error, QuotaKeys, Result};
+use leasehold::{Backend, Error, QuotaKeys, Result, Unavailable};
 use tokio::sync::broadcast;
 
 /// Delegates every call to `inner`, including its [`Backend::identity`]: handles built on this
@@ -45,7 +45,10 @@ impl Counting {
 
     fn up(&self) -> Result<()> {
         match self.down.load(Ordering::SeqCst) {
-            true => Err(Error::BackendUnavailable("switched off".into())),
+            true => Err(Error::unavailable(
+                Unavailable::NoConnection,
+                "switched off",
+            )),
             false => Ok(()),
         }
     }

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use leasehold::backend::{
     AcquireReply, LimitUpdate, QuotaEvent, RenewReply, Snapshot, VersionedLimit,
 };
-use leasehold::{Backend, Error, MemoryBackend, Misconfiguration, QuotaKeys, Result};
+use leasehold::{Backend, Error, MemoryBackend, Misconfiguration, QuotaKeys, Result, Unavailable};
 use tokio::sync::{broadcast, Notify};
 
 /// The memory backend, with a switch that takes it "down" (every call fails transiently, as an
@@ -48,7 +48,10 @@ pub const LATE_ANSWER: Duration = Duration::from_millis(150);
 impl Switchable {
     fn up(&self) -> Result<()> {
         match self.down.load(Ordering::SeqCst) {
-            true => Err(Error::BackendUnavailable("switched off".into())),
+            true => Err(Error::unavailable(
+                Unavailable::NoConnection,
+                "switched off",
+            )),
             false => Ok(()),
         }
     }
@@ -129,7 +132,10 @@ impl Backend for Switchable {
         self.up()?;
         if self.failing_late.lock().unwrap().contains(id) {
             tokio::time::sleep(LATE_ANSWER).await;
-            return Err(Error::BackendUnavailable("timed out (failing late)".into()));
+            return Err(Error::unavailable(
+                Unavailable::NoReply,
+                "timed out (failing late)",
+            ));
         }
         let answer = self.inner.acquire_with_limit(keys, id, ttl, limit).await;
         if self.answered_late.lock().unwrap().contains(id) {
@@ -147,7 +153,10 @@ impl Backend for Switchable {
     ) -> Result<RenewReply> {
         self.up()?;
         if self.renewals_down.load(Ordering::SeqCst) {
-            return Err(Error::BackendUnavailable("renewals switched off".into()));
+            return Err(Error::unavailable(
+                Unavailable::NoConnection,
+                "renewals switched off",
+            ));
         }
         let delay = self.renew_delay_ms.load(Ordering::SeqCst);
         if delay > 0 {
@@ -170,8 +179,9 @@ impl Backend for Switchable {
         if self.hold_back_releases.load(Ordering::SeqCst) {
             let call = (keys.clone(), id.to_owned(), token);
             self.held_back.lock().unwrap().push(call);
-            return Err(Error::BackendUnavailable(
-                "no reply within the call timeout".into(),
+            return Err(Error::unavailable(
+                Unavailable::NoReply,
+                "no reply within the call timeout",
             ));
         }
         let delay = self.release_delay_ms.load(Ordering::SeqCst);

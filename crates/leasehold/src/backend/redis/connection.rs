@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use super::errors::map_error;
 use super::{Inner, RedisBackend, RedisOptions};
 use crate::backend::{parse_event, QuotaEvent};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Unavailable};
 
 /// One `PING` after a round of call timeouts: an answer clears the connection, silence counts
 /// one more round (see `link.rs`). Boxed: it is a call, and a call may start a probe.
@@ -24,7 +24,10 @@ pub(super) fn probe(
 }
 
 pub(super) fn no_connection_within(timeout: Duration) -> Error {
-    Error::BackendUnavailable(format!("no connection within {timeout:?}"))
+    Error::unavailable(
+        Unavailable::NoConnection,
+        format!("no connection within {timeout:?}"),
+    )
 }
 
 /// Where every connection manager of a backend sends its pushes, each tagged with the link

@@ -3,7 +3,7 @@
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 use super::RedisBackend;
-use crate::error::{Error, Misconfiguration};
+use crate::error::{Error, Misconfiguration, Unavailable};
 use crate::keys::QuotaKeys;
 
 /// Error codes with which a healthy server refuses for a while: a replica after a failover
@@ -120,7 +120,9 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
         // Bytes that are not RESP (a corrupted stream, or something other than Redis answering):
         // the outcome of the call is unknown, as after a timeout, and redis-rs reconnects (or,
         // when it was the answer to a handshake, the backend rebuilds: `refused_at_handshake`).
-        ErrorKind::Parse => Error::BackendUnavailable(format!("connection broken: {text}")),
+        ErrorKind::Parse => {
+            Error::unavailable(Unavailable::NoReply, format!("connection broken: {text}"))
+        }
         ErrorKind::UnexpectedReturnType => Misconfiguration::Protocol(text).into(),
         ErrorKind::Server(
             ServerErrorKind::CrossSlot | ServerErrorKind::Moved | ServerErrorKind::Ask,
@@ -128,13 +130,19 @@ pub(super) fn map_error(e: RedisError, quota: &str) -> Error {
             "{text} (a Redis Cluster node: leasehold v1 needs a standalone server)"
         ))
         .into(),
-        _ => Error::BackendUnavailable(text),
+        // A refused connection: the call was not sent (redis-rs sends nothing before it
+        // connects). Any other I/O error may have come after the call left.
+        _ if e.is_connection_refusal() => Error::unavailable(Unavailable::NoConnection, text),
+        _ => Error::unavailable(Unavailable::NoReply, text),
     }
 }
 
 /// A refusal that passes (`SERVER_BUSY_CODES`), with its code.
 fn refuses_for_now(code: &str, text: &str) -> Error {
-    Error::BackendUnavailable(format!("the server refuses for now ({code}): {text}"))
+    Error::unavailable(
+        Unavailable::ServerRefused,
+        format!("the server refuses for now ({code}): {text}"),
+    )
 }
 
 /// How redis-rs words a refused SELECT of the URL's database, the only SELECT sent.
