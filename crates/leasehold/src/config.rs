@@ -219,7 +219,8 @@ impl QuotaBuilder {
 
     /// Whether to subscribe to the quota's events (default true). Without them, waiters rely on
     /// expiry timers and polls, and a holder learns of a cancel or a forced release at its next
-    /// renewal: for servers whose ACL denies `SUBSCRIBE`.
+    /// renewal (a local lease of the backend-down policy, which is never renewed, reads its
+    /// cancel marker every second instead): for servers whose ACL denies `SUBSCRIBE`.
     pub fn events(mut self, subscribe: bool) -> Self {
         self.events = subscribe;
         self

@@ -98,8 +98,14 @@ pub(crate) struct Shared {
     /// quota's channel), not cut short by an outage: the backend's answers do not retry it;
     /// acquires and waiters' rounds still do.
     subscribe_refused: AtomicBool,
-    /// The task that keeps the subscription in place for local leases runs.
+    /// The task that watches local leases (their subscription, their cancel markers) runs.
     watching_local: AtomicBool,
+    /// The local leases' cancel markers must be read: a lease was granted (its task may have
+    /// been cancelled before, which the policy could not read), or the subscription was made
+    /// again (a cancel sent meanwhile went unheard). Cleared by the watcher's read.
+    local_markers_unread: AtomicBool,
+    /// Wakes the watcher of local leases for a read now.
+    local_watch: Arc<tokio::sync::Notify>,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
     pub(crate) shutdown: CancellationToken,
     /// Wakes the renewal task for a new lease whose local deadline comes first.
@@ -130,6 +136,8 @@ impl Quota {
             subscribe_now: Arc::default(),
             subscribe_refused: AtomicBool::new(false),
             watching_local: AtomicBool::new(false),
+            local_markers_unread: AtomicBool::new(false),
+            local_watch: Arc::default(),
             shutdown: CancellationToken::new(),
             alarm: Arc::default(),
             breaker: Breaker::new(config.breaker),

@@ -254,3 +254,94 @@ async fn a_refused_subscription_is_asked_for_again_every_ten_seconds_while_local
     );
     assert!(lease.is_held());
 }
+
+/// A task cancelled before a blip (its marker lives) is granted a local lease by the policy
+/// while the circuit is open, which cannot read the marker. Once the backend answers again (the
+/// subscription never lost, so no resubscription to read it), the marker is read and the lease
+/// ends: a cancelled id is not reused (found by review: it ran on for good).
+#[tokio::test]
+async fn a_local_lease_of_a_task_cancelled_before_the_outage_hears_it_once_the_backend_answers() {
+    let backend = Arc::new(Switchable::default());
+    let q = quota(
+        &backend,
+        BackendDownPolicy::FailOpen,
+        Duration::from_millis(50),
+    );
+    let _listening = q.try_acquire("other").await.unwrap();
+    q.cancel("a", "stop").await.unwrap();
+    assert!(matches!(
+        q.try_acquire("a").await,
+        Err(leasehold::Error::Cancelled(_))
+    ));
+    backend.set_down(true);
+    let local = q.try_acquire("a").await.unwrap();
+    assert!(local.is_local(), "the policy cannot read the marker");
+    backend.set_down(false);
+    let heard = tokio::time::timeout(Duration::from_secs(5), local.lost()).await;
+    assert_eq!(heard, Ok(LostReason::Cancelled("stop".into())));
+}
+
+/// With events off (as advised for an ACL that denies `SUBSCRIBE`), a local lease, which is
+/// never renewed, still hears of a cancel: its marker is read every tick (found by review: it
+/// never heard).
+#[tokio::test]
+async fn a_local_lease_of_a_quota_without_events_hears_of_its_cancel() {
+    let backend = Arc::new(Switchable::default());
+    let q = Quota::builder("local-no-events")
+        .limit(2)
+        .ttl(Duration::from_secs(5))
+        .events(false)
+        .when_backend_down(BackendDownPolicy::FailOpen)
+        .breaker(BreakerConfig {
+            failures_to_open: 1,
+            cool_down: Duration::from_millis(50),
+        })
+        .shared_backend(backend.clone() as Arc<dyn Backend>)
+        .build()
+        .unwrap();
+    backend.set_down(true);
+    let local = q.try_acquire("a").await.unwrap();
+    assert!(local.is_local());
+    backend.set_down(false);
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert!(!q.try_acquire("b").await.unwrap().is_local());
+    q.cancel("a", "stop").await.unwrap();
+    let heard = tokio::time::timeout(Duration::from_secs(5), local.lost()).await;
+    assert_eq!(heard, Ok(LostReason::Cancelled("stop".into())));
+}
+
+/// An attempt of a task is out to the backend when the circuit opens; a second acquire of the
+/// same task is granted a local lease (nothing is held yet); then the backend's answer admits
+/// the task too. The task keeps one slot: the backend's is given back, and both callers share
+/// the local lease (found by review: the task held a backend slot and a local one).
+#[tokio::test]
+async fn a_task_with_an_attempt_in_flight_takes_one_slot_not_a_local_one_too() {
+    let backend = Arc::new(Switchable::default());
+    let q = quota(&backend, BackendDownPolicy::DegradeLocal { share: 1 }, LONG);
+    backend.answer_late(Some("x"));
+    let first = {
+        let q = q.clone();
+        tokio::spawn(async move { q.try_acquire("x").await })
+    };
+    backend.decided_late.notified().await; // admitted in the backend, answer on its way
+    backend.set_down(true);
+    let _ = q.try_acquire("probe").await; // fails: the circuit opens (its local lease dropped)
+    backend.set_down(false);
+    assert_eq!(q.breaker_mode(), leasehold::BreakerMode::Open);
+    let second = q.try_acquire("x").await.unwrap();
+    assert!(second.is_local());
+    let first = tokio::time::timeout(Duration::from_secs(5), first)
+        .await
+        .expect("the first acquire answered")
+        .unwrap()
+        .unwrap();
+    assert!(first.is_local(), "token {}", first.fencing_token());
+    assert_eq!(first.fencing_token(), second.fencing_token());
+    assert_eq!(q.local_leases(), 1);
+    let keys = leasehold::QuotaKeys::new("local").unwrap();
+    let in_backend = backend.inner.snapshot(&keys).await.unwrap().holders;
+    assert!(
+        in_backend.is_empty(),
+        "the backend still counts a slot for x: {in_backend:?}"
+    );
+}

@@ -140,12 +140,33 @@ impl Shared {
             // Dropped last: a late admission nobody takes is let go before `flush` returns.
             let _work = work;
             let counted = AttemptInFlight::new(&shared, &id);
-            let (reply, admitted, sent) = {
+            let (reply, admitted, sent, local) = {
                 // Adopted before the turn ends, so that a release of this task that waits for
                 // the turn sees the new handle and leaves the lease to it.
                 let _turn = shared.admissions.turns.take(&id).await;
                 let (reply, sent) = shared.acquire_in_backend(&id).await;
+                // The circuit opened while this attempt was out, and the policy granted the task
+                // a local lease meanwhile: the task keeps that one, and the slot this attempt
+                // took is given back. A task never holds a backend slot and a local one (found
+                // by review).
+                let local = match &reply {
+                    Ok(AcquireReply::Acquired(record)) => {
+                        match shared.local_lease_of(&id).filter(|l| !l.is_over()) {
+                            Some(local) => {
+                                if let Err(e) = shared.release_token(&id, record.token).await {
+                                    tracing::warn!(quota = %shared.keys.name, task_id = %id,
+                                        error = %e, "a slot admitted beside the task's local \
+                                        lease was not given back; it expires after its ttl");
+                                }
+                                Some(local)
+                            }
+                            None => None,
+                        }
+                    }
+                    _ => None,
+                };
                 let admitted = match &reply {
+                    _ if local.is_some() => None,
                     Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
                         Some(shared.adopt(record, sent))
                     }
@@ -163,9 +184,13 @@ impl Shared {
                     }
                     _ => None,
                 };
-                (reply, admitted, sent)
+                (reply, admitted, sent, local)
             };
             shared.record_backend_result(&reply, sent);
+            if let Some(local) = local {
+                let _ = tx.send(Ok(Attempt::AlreadyHeld(Lease::from_inner(local))));
+                return;
+            }
             if let Some(taken_rx) = taken_rx {
                 // Usually taken long before the reply; otherwise the waiter is not running.
                 let taken = matches!(tokio::time::timeout(TAKE_GRACE, taken_rx).await, Ok(Ok(())));

@@ -35,19 +35,23 @@ impl Shared {
         self.recheck_local_cancels();
     }
 
-    /// Reads the cancel markers of the local leases held, in the background: a cancel message
-    /// sent while nothing listened went unheard.
+    /// Has the watcher of local leases read their cancel markers now, and again at its next
+    /// ticks until a read gets through: a cancel message sent while nothing listened went
+    /// unheard. (A read skipped because the short-circuit was still open after an outage, and
+    /// never made again, left a cancelled task running on its local lease for good: found by
+    /// review.)
     pub(super) fn recheck_local_cancels(self: &Arc<Self>) {
-        runtime::spawn(self.clone().read_local_cancel_markers());
+        self.local_markers_unread.store(true, Ordering::SeqCst);
+        self.local_watch.notify_one();
     }
 
     /// Reads the cancel markers of the local leases held, one after another, and ends the
-    /// leases cancelled meanwhile: a local lease learns of a cancel only by message (it is never
-    /// renewed). One call per local lease; they exist only around outages, so each read asks
-    /// the short-circuit first and feeds it, like any call: while the backend is down the
-    /// round stops at the first refusal or failure, and after the cool-down its first read is
-    /// the probe.
-    pub(super) async fn read_local_cancel_markers(self: Arc<Self>) {
+    /// leases cancelled meanwhile: a local lease is never renewed, so it learns of a cancel by
+    /// message or by these reads. One call per local lease; they exist only around outages, so
+    /// each read asks the short-circuit first and feeds it, like any call: while the backend is
+    /// down the round stops at the first refusal or failure, and after the cool-down its first
+    /// read is the probe. Returns whether every marker was read.
+    pub(super) async fn read_local_cancel_markers(self: Arc<Self>) -> bool {
         // Weak, and upgraded only out of the lock: the drop of a lease that is over comes back
         // to this map; and a lease dropped while its marker is read is released at once.
         let held: Vec<(String, Weak<LeaseInner>)> = self
@@ -61,7 +65,7 @@ impl Shared {
                 continue;
             }
             if self.breaker.permit() == Permit::Reject {
-                return;
+                return false;
             }
             let sent = Instant::now();
             let marker = self.backend.cancel_reason(&self.keys, &task_id).await;
@@ -70,10 +74,11 @@ impl Shared {
                 (Ok(Some(reason)), Some(lease)) => {
                     lease.mark_lost(LostReason::Cancelled(reason));
                 }
-                (Err(Error::BackendUnavailable { .. }), _) => return,
+                (Err(Error::BackendUnavailable { .. }), _) => return false,
                 _ => {}
             }
         }
+        true
     }
 
     /// Wakes the waiters of `task_id` only: it was cancelled, and its next attempt says so.

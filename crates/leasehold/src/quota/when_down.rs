@@ -45,7 +45,7 @@ impl Shared {
         let took = self
             .admissions
             .local_held
-            // SeqCst: see `listen_while_local_leases_live`.
+            // SeqCst: see `watch_local_leases`.
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |held| {
                 (held < share).then_some(held + 1)
             })
@@ -61,24 +61,32 @@ impl Shared {
         let inner = Arc::new(LeaseInner::local(self.clone(), task_id));
         local.insert(task_id.to_owned(), Arc::downgrade(&inner));
         drop(local);
-        self.listen_while_local_leases_live();
+        // Its task may have been cancelled before, which the policy could not read: its marker
+        // is read once the backend answers again, with or without an outage's resubscription.
+        self.local_markers_unread.store(true, Ordering::SeqCst);
+        self.watch_local_leases();
         Attempt::Admitted(Lease::from_inner(inner))
     }
 
-    /// A local lease hears of a cancel only through the quota's channel, and a process that
-    /// holds only local leases makes no backend call that would subscribe again (they are not
-    /// renewed). So while any is held, the subscription is retried until it is in place, and
-    /// again whenever it drops. While the backend refuses it (an ACL without the channel), the
-    /// local leases read their cancel markers instead, and the subscription is asked for only
-    /// every [`REFUSED_SUBSCRIBE_RETRY`] ticks: each refused attempt would be for nothing.
-    pub(super) fn listen_while_local_leases_live(self: &Arc<Self>) {
+    /// A local lease is never renewed: it hears of a cancel through the quota's channel, or by
+    /// reading its cancel marker. A process that holds only local leases makes no backend call
+    /// that would subscribe again, so while any is held, a watcher ticks every
+    /// [`SUBSCRIBE_RETRY`]:
+    /// - it retries the subscription until it is in place, and again whenever it drops;
+    /// - it reads the markers while one may hold a cancel no message told (a lease just granted,
+    ///   a subscription made again), at each tick until a read gets through the short-circuit;
+    /// - it reads them at every tick when no message can come: events off, or the subscription
+    ///   refused (an ACL without the channel), which is then asked for only every
+    ///   [`REFUSED_SUBSCRIBE_RETRY`] ticks, since each refused attempt would be for nothing.
+    pub(super) fn watch_local_leases(self: &Arc<Self>) {
         // SeqCst on both sides: the grant's increment then swap, and the watcher's store then
         // load, must not both read the old value, or nobody would watch.
-        if !self.config.events || self.watching_local.swap(true, Ordering::SeqCst) {
+        if self.watching_local.swap(true, Ordering::SeqCst) {
             return;
         }
         let shared = Arc::downgrade(self);
         let stop = self.shutdown.clone();
+        let wake = self.local_watch.clone();
         runtime::spawn(async move {
             let mut ticks_since_attempt = 0;
             loop {
@@ -94,10 +102,14 @@ impl Shared {
                     }
                 }
                 let refused = this.subscribe_refused.load(Ordering::Acquire);
-                if refused {
-                    this.clone().read_local_cancel_markers().await;
+                let deaf = !this.config.events || refused;
+                let unread = this.local_markers_unread.swap(false, Ordering::SeqCst);
+                if (deaf || unread) && !this.clone().read_local_cancel_markers().await {
+                    this.local_markers_unread.store(true, Ordering::SeqCst);
                 }
-                if !refused || ticks_since_attempt >= REFUSED_SUBSCRIBE_RETRY {
+                if this.config.events
+                    && (!refused || ticks_since_attempt >= REFUSED_SUBSCRIBE_RETRY)
+                {
                     ticks_since_attempt = 0;
                     // This task's own tick spaces its attempts: the spacing of waiters'
                     // attempts after a failure would skip every other tick.
@@ -107,6 +119,7 @@ impl Shared {
                 drop(this);
                 tokio::select! {
                     _ = tokio::time::sleep(SUBSCRIBE_RETRY) => {}
+                    _ = wake.notified() => {}
                     _ = stop.cancelled() => return,
                 }
             }
