@@ -63,8 +63,14 @@ pub fn one_line(text: &str) -> String {
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect();
+    escaped(&lines.join("; "))
+}
+
+/// `text` with its control characters escaped (`\n`, `\u{1b}`), so that no text of another
+/// party can move the cursor or color a terminal.
+pub fn escaped(text: &str) -> String {
     let mut shown = String::new();
-    for c in lines.join("; ").chars() {
+    for c in text.chars() {
         if c.is_control() {
             shown.extend(c.escape_default());
         } else {

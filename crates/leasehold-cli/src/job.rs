@@ -57,6 +57,9 @@ pub enum Event {
     Stop,
     /// A child changed state (SIGCHLD): look whether the command stopped.
     Child,
+    /// This process was continued (SIGCONT): a shell's `fg` of a job that runs (after `bg`, or
+    /// started with `&`) gives the terminal to our group, which passes it on to the command.
+    Continued,
 }
 
 /// The signals `leasehold run` listens to, installed before anything is spawned.
@@ -76,9 +79,12 @@ impl Signals {
             .iter()
             .map(|&sig| (sig, Event::Forward(sig)))
             .chain(STOPPING.iter().map(|&sig| (sig, Event::Stop)))
-            .chain([(libc::SIGCHLD, Event::Child)]);
+            .chain([
+                (libc::SIGCHLD, Event::Child),
+                (libc::SIGCONT, Event::Continued),
+            ]);
         for (sig, event) in wanted {
-            if sig != libc::SIGCHLD && ignored(sig) {
+            if !matches!(sig, libc::SIGCHLD | libc::SIGCONT) && ignored(sig) {
                 continue;
             }
             let stream = signal(SignalKind::from_raw(sig)).map_err(|e| {

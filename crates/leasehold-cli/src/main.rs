@@ -1,6 +1,16 @@
 //! `leasehold`: the command line of the leasehold library. See `leasehold --help` and
 //! docs/CLI.md.
 
+/// `eprintln!` that ignores a stderr nobody reads any more (a log collector that died,
+/// `2>&1 | head -1`): `eprintln!` would panic, and every documented exit code would become a
+/// panic's 101 (found by review).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod cli;
 mod demo;
 mod exit;
@@ -65,7 +75,7 @@ fn main() {
 fn fail(failure: Failure) -> ! {
     let line = failure.one_line();
     if !line.is_empty() {
-        eprintln!("leasehold: {line}");
+        say!("leasehold: {line}");
     }
     std::process::exit(failure.code)
 }

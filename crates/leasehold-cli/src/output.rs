@@ -26,7 +26,7 @@ pub fn print(text: &str) -> Result<(), Failure> {
 pub fn tell(text: &str) {
     if let Err(e) = write_out(text) {
         if e.kind() != ErrorKind::BrokenPipe {
-            eprintln!("leasehold: cannot write the output: {e}");
+            say!("leasehold: cannot write the output: {e}");
         }
     }
 }

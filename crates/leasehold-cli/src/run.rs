@@ -18,7 +18,7 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
         .clone()
         .unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
     if verbose {
-        eprintln!("leasehold: quota {:?}, task id {task_id}", quota.name());
+        say!("leasehold: quota {:?}, task id {task_id}", quota.name());
     }
     let mut signals = Signals::install()?;
     let lease = {
@@ -47,13 +47,13 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
                     }
                     // Nothing holds a slot yet: stop, and wait on once continued.
                     Event::Stop => job::stop_self(),
-                    Event::Child => {}
+                    Event::Child | Event::Continued => {}
                 },
             }
         }
     };
     if verbose {
-        eprintln!(
+        say!(
             "leasehold: acquired, fencing token {}",
             lease.fencing_token()
         );
@@ -63,11 +63,12 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
         // the slot may be someone else's already.
         let _ = lease.release().await;
         let reason = lease.lost_reason().unwrap_or(LostReason::LocalDeadline);
-        eprintln!(
+        say!(
             "leasehold: {}; the command was not started",
             exit::one_line(&reason.to_string())
         );
-        return Ok(exit::LEASE_LOST);
+        // A task cancelled as it was admitted is not one worth running again (found by review).
+        return Ok(lost_code(&reason));
     }
     let terminal = Terminal::controlling();
     let role = Terminal::role_for_command(terminal.as_ref());
@@ -141,17 +142,14 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             Ok(exit_code(status))
         }
         Outcome::Lost(reason) => {
-            eprintln!(
+            say!(
                 "leasehold: {}; the command was stopped",
                 exit::one_line(&reason.to_string())
             );
-            Ok(match reason {
-                LostReason::Cancelled(_) => exit::CANCELLED,
-                _ => exit::LEASE_LOST,
-            })
+            Ok(lost_code(&reason))
         }
         Outcome::StoppedTooLong => {
-            eprintln!(
+            say!(
                 "leasehold: the job was stopped for longer than the lease lasts; the lease is \
                  lost and the command was ended"
             );
@@ -172,7 +170,7 @@ async fn cancelled_meanwhile(quota: &Quota, task_id: &str) -> Option<String> {
 /// Releases `lease`, or says on stderr that it will expire instead.
 async fn release(lease: &Lease) {
     if let Err(e) = lease.release().await {
-        eprintln!("leasehold: release failed ({e}); the slot frees when the lease expires");
+        say!("leasehold: release failed ({e}); the slot frees when the lease expires");
     }
 }
 
@@ -245,7 +243,7 @@ async fn acquire(quota: &Quota, task_id: &str, wait: Option<Duration>) -> Result
             return Err(down.into());
         }
         if !told {
-            eprintln!(
+            say!(
                 "leasehold: Redis unavailable ({}); still waiting for a slot",
                 exit::one_line(&unavailable_detail(&down))
             );
@@ -353,9 +351,35 @@ impl Job<'_> {
         self.terminal.is_some_and(|t| t.is_held_by(self.pid))
     }
 
+    /// `fg` gave the terminal to our group while the command ran (after `bg`, or a run started
+    /// with `&`): passes it on, and says so. Else the command's first read of the terminal
+    /// would stop the job again (found by review: after Ctrl-Z, `bg`, `fg`, the command never
+    /// got the terminal back). bash sends no SIGCONT to a job it brings to the foreground while
+    /// it runs, so this is also checked at every look for a stop, and when the command stops
+    /// on a terminal read or setting.
+    fn pass_terminal_on(&self) -> bool {
+        // `may_hand_over` asks the terminal first (one ioctl), and reads /proc only when the
+        // terminal is our group's.
+        let Some(terminal) = self.terminal.filter(|t| t.may_hand_over()) else {
+            return false;
+        };
+        terminal.give_to(self.pid);
+        true
+    }
+
     /// True if the command stopped since the last look in a way that stops the whole job.
     fn stopped(&self) -> bool {
-        job::stopped_by(self.pid).is_some_and(|sig| job::stops_the_job(sig, self.holds_terminal()))
+        let handed_over = self.pass_terminal_on();
+        let Some(sig) = job::stopped_by(self.pid) else {
+            return false;
+        };
+        if matches!(sig, libc::SIGTTIN | libc::SIGTTOU) && (handed_over || self.pass_terminal_on())
+        {
+            // It stopped on the terminal that `fg` gave us: it has it now, and goes on.
+            job::signal_group(self.pid, libc::SIGCONT);
+            return false;
+        }
+        job::stops_the_job(sig, self.holds_terminal())
     }
 }
 
@@ -382,6 +406,7 @@ async fn supervise(
                 Event::Forward(sig) => { job::signal_group(job.pid, sig); false }
                 Event::Stop => true,
                 Event::Child => job.stopped(),
+                Event::Continued => { job.pass_terminal_on(); false }
             },
             _ = stop_check.tick() => job.stopped(),
             reason = lease.lost() => {
@@ -423,28 +448,28 @@ async fn suspend(job: &Job<'_>, lease: &Lease) -> Result<(), Option<LostReason>>
     if !lease.is_held() {
         return Err(lease.lost_reason());
     }
-    if let Some(terminal) = job.terminal {
-        // `fg` gave the terminal to our group: pass it on. After `bg` it is not ours, and the
-        // command runs in the background like any job.
-        if terminal.may_hand_over() {
-            terminal.give_to(job.pid);
-        }
-    }
+    // `fg` gave the terminal to our group: pass it on. After `bg` it is not ours, and the
+    // command runs in the background like any job (until a later `fg`: `Event::Continued`).
+    job.pass_terminal_on();
     job::signal_group(job.pid, libc::SIGCONT);
     Ok(())
 }
 
-/// SIGTERM to the group, then SIGKILL after `grace` if the command is still there.
+/// SIGTERM to the group, then SIGKILL after `grace` to whatever of it is still there: the
+/// command, and the processes of its group, which get the whole grace too even when the command
+/// ends at once (a wrapper shell that dies of SIGTERM while its worker shuts down cleanly; found
+/// by review: the worker was killed 20 ms after the cancel).
 async fn terminate(child: &mut Child, pgid: i32, grace: Duration) -> std::io::Result<()> {
-    job::signal_group(pgid, libc::SIGTERM);
-    // A stopped command acts on SIGTERM only once continued.
-    job::signal_group(pgid, libc::SIGCONT);
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        job::signal_group(pgid, libc::SIGKILL);
-        child.wait().await?;
+    let end = term_group(pgid, grace);
+    let exited = match end {
+        Some(end) => tokio::time::timeout_at(end, child.wait()).await.is_ok(),
+        None => child.wait().await.is_ok(),
+    };
+    if exited {
+        wait_for_group(pgid, end).await;
     }
-    // Children of the command that outlived it get the same end.
     job::signal_group(pgid, libc::SIGKILL);
+    child.wait().await?;
     Ok(())
 }
 
@@ -454,14 +479,33 @@ async fn end_leftovers(pgid: i32, grace: Duration) {
     if !job::group_alive(pgid) {
         return;
     }
+    let end = term_group(pgid, grace);
+    wait_for_group(pgid, end).await;
+    job::signal_group(pgid, libc::SIGKILL);
+}
+
+/// SIGTERM to the group (continued, since a stopped process acts on it only then); returns when
+/// its grace ends: `None` for a grace too long to add to a clock, which waits as long as it
+/// takes.
+fn term_group(pgid: i32, grace: Duration) -> Option<tokio::time::Instant> {
     job::signal_group(pgid, libc::SIGTERM);
     job::signal_group(pgid, libc::SIGCONT);
-    // A grace too long to add to a clock waits as long as it takes.
-    let end = tokio::time::Instant::now().checked_add(grace);
+    tokio::time::Instant::now().checked_add(grace)
+}
+
+/// Waits until nothing of the group is left running, or `end`.
+async fn wait_for_group(pgid: i32, end: Option<tokio::time::Instant>) {
     while job::group_alive(pgid) && end.is_none_or(|end| tokio::time::Instant::now() < end) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    job::signal_group(pgid, libc::SIGKILL);
+}
+
+/// The exit code of a run whose lease was lost: a cancelled task is not one worth running again.
+fn lost_code(reason: &LostReason) -> i32 {
+    match reason {
+        LostReason::Cancelled(_) => exit::CANCELLED,
+        _ => exit::LEASE_LOST,
+    }
 }
 
 /// The exit code a shell would report for `status`.

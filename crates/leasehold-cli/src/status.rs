@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use leasehold::Quota;
 use serde_json::json;
 
-use crate::exit::Failure;
+use crate::exit::{self, Failure};
 use crate::output;
 
 fn millis(t: SystemTime) -> u64 {
@@ -77,10 +77,16 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
         output::print(&table)?;
         return Ok(0);
     }
-    let width = status
+    // Task ids come from Redis, where any client may have written them: shown escaped, as
+    // every text of another party (found by review: raw escape sequences reached the terminal).
+    let ids: Vec<String> = status
         .holders
         .iter()
-        .map(|h| h.task_id.chars().count())
+        .map(|h| exit::escaped(&h.task_id))
+        .collect();
+    let width = ids
+        .iter()
+        .map(|id| id.chars().count())
         .max()
         .unwrap_or(0)
         .max("TASK ID".len());
@@ -89,13 +95,13 @@ pub async fn print(quota: &Quota, limit_known: bool, as_json: bool) -> Result<i3
         "{:<width$}  {:>8}  {:>10}  {:>10}",
         "TASK ID", "TOKEN", "AGE", "EXPIRES IN"
     );
-    for h in &status.holders {
+    for (h, id) in status.holders.iter().zip(&ids) {
         let age = between(h.acquired_at, status.now);
         let left = between(status.now, h.deadline);
         let _ = writeln!(
             table,
             "{:<width$}  {:>8}  {:>9.1}s  {:>9.1}s",
-            h.task_id,
+            id,
             h.fencing_token,
             age.as_secs_f64(),
             left.as_secs_f64()

@@ -789,3 +789,51 @@ fn limit_at_the_last_version_says_that_only_deleting_the_limit_key_changes_it() 
         stderr(&set)
     );
 }
+
+/// A cancelled command that is a wrapper (a shell that runs the real worker) dies of SIGTERM at
+/// once; the worker in its group got the same SIGTERM and is shutting down. docs/CLI.md: the
+/// group "gets SIGTERM, then SIGKILL after `--grace`": the worker gets its grace too, not a
+/// SIGKILL the moment the wrapper is gone (found by review: killed 21 ms after the cancel).
+#[test]
+fn a_cancelled_wrappers_worker_gets_its_grace_before_sigkill() {
+    let server = RedisServer::start();
+    let dir = TempDir::new("leasehold-cli-grace");
+    let done = dir.join("done");
+    let worker = format!(
+        "trap 'sleep 1; echo clean > {}; exit 0' TERM; while :; do sleep 0.1; done",
+        done.display()
+    );
+    // The outer shell traps nothing: SIGTERM ends it at once, as most wrappers.
+    let wrapper = format!("bash -c \"{worker}\"; echo after");
+    let (code, took) = cancel_run(&server, "grace-wrap", &["sh", "-c", &wrapper], "5s");
+    assert_eq!(code, 80);
+    println!("leasehold run exited {took:?} after the cancel");
+    assert!(
+        done.exists(),
+        "the worker was killed {took:?} after the cancel, before its 1 s shutdown, with \
+         --grace 5s"
+    );
+}
+
+/// A stderr nobody reads any more (a log collector that died, `2>&1 | head -1`) does not change
+/// the documented exit code: `leasehold run --wait 0` on a full quota is 75, not a panic's 101
+/// (found by review).
+#[test]
+fn a_closed_stderr_keeps_the_documented_exit_code() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let server = RedisServer::start();
+    let mut holder = spawn_holder(&server, "epipe", &["--limit", "1"], "h", &["sleep", "30"]);
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) writes two new descriptors into `fds`.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both are fresh descriptors that nothing else owns.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read); // every write to `write` now fails with EPIPE
+    let mut run = leasehold(&server.url(), "epipe")
+        .args(["run", "--limit", "1", "--wait", "0", "--", "true"])
+        .stderr(Stdio::from(write))
+        .spawn_reaped();
+    let code = wait_exit(&mut run, Duration::from_secs(10));
+    let _ = holder.kill();
+    assert_eq!(code, 75, "full quota, one try, stderr closed");
+}

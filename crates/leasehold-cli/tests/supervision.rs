@@ -483,3 +483,42 @@ fn a_command_holding_the_terminal_that_stops_itself_stops_the_run() {
     let shown = terminal.wait(Duration::from_secs(1));
     assert!(shown.text.contains("resumed"), "{:?}", shown.text);
 }
+
+/// Ctrl-Z, `bg`, then `fg` in an interactive shell: after `fg` the command holds the terminal
+/// again (docs/CLI.md: "after `fg`, COMMAND gets the terminal again"), so a read of the
+/// terminal gets the typed line instead of stopping the job once more (found by review: the
+/// shell said "Stopped" right after `fg`, and ran the typed line itself).
+#[test]
+fn after_ctrl_z_bg_and_fg_the_command_gets_the_terminal_again() {
+    let server = RedisServer::start();
+    let mut shell = std::process::Command::new("bash");
+    shell
+        .args(["--norc", "--noprofile", "-i"])
+        .env("RUN", env!("CARGO_BIN_EXE_leasehold"))
+        .env("LEASEHOLD_REDIS_URL", server.url())
+        .env("LEASEHOLD_QUOTA", "bgfg")
+        .env("PS1", "$ ");
+    let mut terminal = InTerminal::spawn(shell);
+    terminal.type_in(
+        b"$RUN run --limit 1 --task-id bgfg -- bash -c 'sleep 2; read -p ask: x; echo got:$x'\n",
+    );
+    wait_held(&server, "bgfg", "bgfg");
+    std::thread::sleep(Duration::from_millis(300));
+    terminal.type_in(b"\x1a"); // Ctrl-Z
+    std::thread::sleep(Duration::from_millis(500));
+    terminal.type_in(b"bg\n");
+    std::thread::sleep(Duration::from_millis(500));
+    terminal.type_in(b"fg\n");
+    std::thread::sleep(Duration::from_millis(3000)); // the command now waits in `read`
+    terminal.type_in(b"bob\n");
+    std::thread::sleep(Duration::from_millis(1000));
+    terminal.type_in(b"exit\n");
+    std::thread::sleep(Duration::from_millis(300));
+    terminal.type_in(b"exit\n"); // a second time if bash said "There are stopped jobs."
+    let shown = terminal.wait(Duration::from_secs(15));
+    assert!(
+        shown.text.contains("got:bob"),
+        "the command did not get the terminal back after bg + fg: {:?}",
+        shown.text
+    );
+}

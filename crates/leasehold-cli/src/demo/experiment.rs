@@ -123,7 +123,7 @@ impl Experiment {
         }
         // Aborted between two calls, a task may leave a unit counted (an INCR without its
         // DECR): say so rather than let it pass for a leak of the semantics.
-        eprintln!(
+        say!(
             "leasehold demo: {} tasks still running after {:?}; stopping them (the counts of \
              this run may include their slots)",
             tasks.len(),

@@ -78,7 +78,7 @@ fn redis_from_command_line(redis: Option<String>) -> Option<String> {
         .is_ok_and(|m| typed(&m) || m.subcommand_matches("demo").is_some_and(typed));
     if !on_line {
         // On stderr: stdout may be the JSON summary.
-        eprintln!(
+        say!(
             "leasehold demo: ignoring LEASEHOLD_REDIS_URL and running in memory (pass --redis URL \
              to run on Redis, where the demo empties its keys and the quota `demo`)"
         );

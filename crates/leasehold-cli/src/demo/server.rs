@@ -28,7 +28,7 @@ pub async fn bind(port: u16) -> std::io::Result<TcpListener> {
     match TcpListener::bind((Ipv4Addr::LOCALHOST, port)).await {
         Ok(listener) => Ok(listener),
         Err(e) if port != 0 && e.kind() == std::io::ErrorKind::AddrInUse => {
-            eprintln!("leasehold demo: port {port} is taken; using a free port instead");
+            say!("leasehold demo: port {port} is taken; using a free port instead");
             TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await
         }
         Err(e) => Err(e),

@@ -91,7 +91,7 @@ impl State {
     fn error(&mut self, kind: Kind, e: leasehold::Error) {
         self.tally.errors += 1;
         if !std::mem::replace(&mut self.error_shown, true) {
-            eprintln!(
+            say!(
                 "leasehold demo: {}: {e} (further errors are only counted)",
                 kind.id()
             );
