@@ -48,6 +48,9 @@ fn ten_runs_on_limit_three_never_overlap_more_than_three() {
     }
     println!("10 runs, limit 3: maximum overlap {max}");
     assert!(max <= 3, "{max} commands ran at once");
+    // Ten 0.3 s commands started together: the limit was reached, so runs did wait for slots
+    // (else the bound above showed nothing).
+    assert_eq!(max, 3, "the runs never contended for the slots");
 }
 
 #[test]
@@ -109,11 +112,7 @@ fn a_sigkilled_run_and_its_command_free_the_slot_one_ttl_later() {
         ],
     );
     std::thread::sleep(Duration::from_millis(500)); // a renewal went through
-    let child_pid: i32 = std::fs::read_to_string(&pidfile)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let child_pid = pid_from(&pidfile);
     victim.kill().unwrap(); // SIGKILL leasehold run: no release, no renewal
     victim.wait().unwrap();
     // SAFETY: kill(2) on the child's pid; no memory involved.
@@ -130,7 +129,16 @@ fn a_sigkilled_run_and_its_command_free_the_slot_one_ttl_later() {
     assert!(reuse < Duration::from_secs(3), "{reuse:?}");
 }
 
-fn cancel_run(server: &RedisServer, quota: &str, command: &[&str], grace: &str) -> (i32, Duration) {
+/// Runs `command` under `leasehold run` with task id `job`, cancels the task once the command
+/// runs (once `ready` exists, when given: a command that sets a trap first says so), and returns
+/// the exit code and how long the exit took after the cancel.
+fn cancel_run(
+    server: &RedisServer,
+    quota: &str,
+    command: &[&str],
+    grace: &str,
+    ready: Option<&std::path::Path>,
+) -> (i32, Duration) {
     let mut run = leasehold(&server.url(), quota)
         .args([
             "run",
@@ -146,7 +154,16 @@ fn cancel_run(server: &RedisServer, quota: &str, command: &[&str], grace: &str) 
         .stderr(Stdio::null())
         .spawn_reaped();
     wait_held(server, quota, "job");
-    std::thread::sleep(Duration::from_millis(200)); // let the command start
+    match ready {
+        Some(ready) => {
+            let end = Instant::now() + Duration::from_secs(10);
+            while !ready.exists() {
+                assert!(Instant::now() < end, "the command never said it was ready");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        None => std::thread::sleep(Duration::from_millis(200)), // let the command start
+    }
     let cancelled = Instant::now();
     let out = run_cli(&server.url(), quota, ["cancel", "job", "--reason", "test"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
@@ -157,14 +174,21 @@ fn cancel_run(server: &RedisServer, quota: &str, command: &[&str], grace: &str) 
 #[test]
 fn cancel_from_another_process_stops_the_command() {
     let server = RedisServer::start();
-    let (code, took) = cancel_run(&server, "cancel", &["sleep", "60"], "5s");
+    let (code, took) = cancel_run(&server, "cancel", &["sleep", "60"], "5s", None);
     println!("cancel to `leasehold run` exit (command obeys SIGTERM): {took:?}");
     assert_eq!(code, 80);
     assert!(took < Duration::from_secs(2), "{took:?}");
     assert_eq!(holders(&server, "cancel"), 0, "the slot was released");
 
-    let stubborn = ["sh", "-c", "trap '' TERM; while true; do sleep 0.1; done"];
-    let (code, took) = cancel_run(&server, "cancel2", &stubborn, "1s");
+    // The trap in place before the cancel: a SIGTERM before it would end the shell at once.
+    let dir = TempDir::new("leasehold-cli-stubborn");
+    let ready = dir.join("ready");
+    let script = format!(
+        "trap '' TERM; touch {}; while true; do sleep 0.1; done",
+        ready.display()
+    );
+    let stubborn = ["sh", "-c", &script];
+    let (code, took) = cancel_run(&server, "cancel2", &stubborn, "1s", Some(&ready));
     println!("cancel to exit (command ignores SIGTERM, grace 1s): {took:?}");
     assert_eq!(code, 80);
     assert!(
@@ -798,14 +822,21 @@ fn limit_at_the_last_version_says_that_only_deleting_the_limit_key_changes_it() 
 fn a_cancelled_wrappers_worker_gets_its_grace_before_sigkill() {
     let server = RedisServer::start();
     let dir = TempDir::new("leasehold-cli-grace");
-    let done = dir.join("done");
+    let (done, ready) = (dir.join("done"), dir.join("ready"));
     let worker = format!(
-        "trap 'sleep 1; echo clean > {}; exit 0' TERM; while :; do sleep 0.1; done",
-        done.display()
+        "trap 'sleep 1; echo clean > {}; exit 0' TERM; touch {}; while :; do sleep 0.1; done",
+        done.display(),
+        ready.display()
     );
     // The outer shell traps nothing: SIGTERM ends it at once, as most wrappers.
     let wrapper = format!("bash -c \"{worker}\"; echo after");
-    let (code, took) = cancel_run(&server, "grace-wrap", &["sh", "-c", &wrapper], "5s");
+    let (code, took) = cancel_run(
+        &server,
+        "grace-wrap",
+        &["sh", "-c", &wrapper],
+        "5s",
+        Some(&ready),
+    );
     assert_eq!(code, 80);
     println!("leasehold run exited {took:?} after the cancel");
     assert!(

@@ -6,6 +6,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use hyper_util::client::legacy::connect::HttpConnector;
-use leasehold_testkit::{free_port, temp_dir, Reaped, SpawnReaped};
+use leasehold_testkit::{free_port, Reaped, SpawnReaped, TempDir};
 use serde_json::{json, Value};
 
 /// The flags that work on a closed network, as root, without a display.
@@ -81,14 +82,27 @@ fn start_demo() -> (Reaped, String) {
     (demo, url)
 }
 
-fn start_chromedriver(binary: &Path) -> (Reaped, u16) {
+/// chromedriver in a process group of its own, killed whole when dropped: the chromium it
+/// starts would otherwise outlive a failed test (found by review).
+struct Driver(Reaped);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) of the group this test started; no memory involved.
+        unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
+    }
+}
+
+fn start_chromedriver(binary: &Path) -> (Driver, u16) {
     let port = free_port();
     let driver = Command::new(binary)
         .arg(format!("--port={port}"))
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn_reaped();
+    let driver = Driver(driver);
     let end = Instant::now() + Duration::from_secs(20);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(
@@ -197,7 +211,7 @@ async fn the_page_shows_counters_leaking_and_leases_healing() {
     let chromedriver = require("chromedriver");
     let (_demo, url) = start_demo();
     let (_driver, driver_port) = start_chromedriver(&chromedriver);
-    let profile = temp_dir("leasehold-demo-chromium");
+    let profile = TempDir::new("leasehold-demo-chromium");
     let client = browser(&chromium, driver_port, &profile).await;
     client.goto(&url).await.expect("open the page");
 
@@ -265,7 +279,6 @@ async fn the_page_shows_counters_leaking_and_leases_healing() {
     std::fs::write(&target, shot).expect("write the screenshot");
     eprintln!("screenshot: {}", target.display());
     let _ = client.close().await;
-    let _ = std::fs::remove_dir_all(&profile);
 
     let last = history.last().expect("at least one reading");
     let first = &history[0];

@@ -21,8 +21,10 @@ const FAST: &[&str] = &[
     "3",
 ];
 /// Slack on top of ttl + heartbeat for a crashed lease to be seen gone: one 100 ms sampling
-/// period plus scheduling delay on a busy machine (docs/DEMO.md).
-const RECOVERY_TOLERANCE_MS: u64 = 250;
+/// period plus scheduling delay on a busy 2-core machine (docs/DEMO.md). What it guards is a
+/// slot that comes back about one ttl after the crash, not never or a ttl later; the tight
+/// figure is the demo's to show, not a test's to time.
+const RECOVERY_TOLERANCE_MS: u64 = 500;
 
 fn demo(args: &[&str]) -> Output {
     demo_with_env(args, None)
@@ -266,8 +268,9 @@ fn at_the_highest_accepted_rate_the_columns_keep_up_on_redis() {
         submitted.iter().all(|&n| n == submitted[0]),
         "the columns got the same tasks: {submitted:?}"
     );
+    // About 1500 in 3 s; a busy machine may start fewer, and a backlog would show as more.
     assert!(
-        (1000..=2000).contains(&submitted[0]),
+        (750..=2000).contains(&submitted[0]),
         "about 1500 tasks in 3 s: {submitted:?}"
     );
     for c in columns {

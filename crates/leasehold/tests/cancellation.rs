@@ -331,9 +331,16 @@ impl Line {
         }
     }
 
-    fn abort(&self, id: &str) {
-        let (_, task) = self.waiters.iter().find(|(w, _)| w == id).unwrap();
+    /// Aborts waiter `id` and returns once its task has ended (its place in line dropped).
+    async fn abort(&mut self, id: &str) {
+        let at = self.waiters.iter().position(|(w, _)| w == id).unwrap();
+        let (_, task) = self.waiters.remove(at);
         task.abort();
+        let ended = within(Duration::from_secs(4), id, task).await;
+        assert!(
+            ended.unwrap_err().is_cancelled(),
+            "{id} ended before its abort"
+        );
     }
 
     /// Releases the holder and waits for every waiter not aborted; returns the order.
@@ -356,11 +363,10 @@ impl Line {
 /// Waiters cancelled in the middle of the line (and at its head) do not hold it up: the others
 /// are served in arrival order, each on the previous one's release, not on a poll.
 async fn waiters_cancelled_in_the_line_are_skipped(f: Fixture) {
-    let line = Line::new(&f, &["a", "b", "c", "d", "e", "f"]).await;
-    line.abort("a"); // the head
-    line.abort("c");
-    line.abort("d"); // two in a row
-    tokio::time::sleep(Duration::from_millis(20)).await; // the aborts have run
+    let mut line = Line::new(&f, &["a", "b", "c", "d", "e", "f"]).await;
+    line.abort("a").await; // the head
+    line.abort("c").await;
+    line.abort("d").await; // two in a row
     let quota = line.quota.clone();
     let started = Instant::now();
     let order = line.run(true).await;

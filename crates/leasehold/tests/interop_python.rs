@@ -186,7 +186,17 @@ fn a_release_on_one_side_wakes_a_waiter_on_the_other() {
         &[("LEASEHOLD_POLL_MS", "10000")],
         &command("hold", &server, "handover", 1, &[&"python", &800]),
     );
-    std::thread::sleep(Duration::from_millis(700)); // the Python waiter is subscribed and waiting
+    // The Python waiter was refused (the `waiting` key is set) and is subscribed beside this
+    // process: only then does the release below show a hand-over by event (a waiter that came
+    // late would just take the free slot).
+    let channel = "leasehold:{handover}:events";
+    let waiting = "leasehold:{handover}:waiting";
+    rt.block_on(common::eventually(Duration::from_secs(10), || {
+        server.command(&["EXISTS", waiting]).as_int() == Some(1)
+            && common::subscribers(&server, channel) >= 2
+    }))
+    .then_some(())
+    .expect("the Python waiter never waited subscribed");
     let released = Instant::now();
     rt.block_on(first.release()).unwrap();
     acquired(&python);

@@ -727,7 +727,7 @@ struct Step {
 
 /// F20: a holder SIGSTOPped, its task cancelled, and kept stopped past both the lease ttl and
 /// the cancel marker's ttl, so that on resume neither the lease nor the marker exists. It must
-/// stop at once anyway (its local deadline passed: the F3 path), commit no work after SIGCONT,
+/// stop anyway (its local deadline passed: the F3 path), commit no work after SIGCONT,
 /// and its slot must have been free for someone else while it was stopped. `events` says
 /// whether the holder listens to the quota's events: with them the cancel message waits in its
 /// socket while it is stopped; without them the marker, gone by then, was its only way to hear.

@@ -50,3 +50,45 @@ fn the_documented_sha1s_are_those_of_the_scripts_the_library_sends() {
         );
     }
 }
+
+/// The same from the library's side: on a fresh server, what a `RedisBackend` loads as it
+/// connects, and `set_limit` at its first call, is exactly what §1's table names (the test above
+/// builds the texts itself, and would miss a change in how the library builds them).
+#[tokio::test]
+async fn the_scripts_the_library_loads_are_the_documented_ones() {
+    let server = RedisServer::start();
+    server.command(&["SCRIPT", "FLUSH"]);
+    let quota = leasehold::Quota::builder("doc")
+        .limit(1)
+        .backend(
+            leasehold::RedisBackend::connect(&server.url())
+                .await
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let lease = quota.try_acquire("t").await.unwrap();
+    lease.release().await.unwrap();
+    quota.set_limit(2, None).await.unwrap();
+    for name in [
+        "acquire",
+        "renew",
+        "set_limit",
+        "release",
+        "cancel",
+        "snapshot",
+    ] {
+        let sha = documented_sha1(name);
+        let exists = server.command(&["SCRIPT", "EXISTS", &sha]);
+        let loaded = match &exists {
+            leasehold_testkit::Reply::Array(flags) => flags.first().and_then(|f| f.as_int()),
+            _ => None,
+        };
+        assert_eq!(
+            loaded,
+            Some(1),
+            "the library never loaded the script PROTOCOL.md §1 names for {name} ({sha}): \
+             {exists:?}"
+        );
+    }
+}

@@ -526,7 +526,8 @@ fn test_certificates(dir: &std::path::Path) {
 
 #[tokio::test]
 async fn works_over_tls_with_a_private_ca_and_refuses_an_unknown_one() {
-    let dir = leasehold_testkit::temp_dir("leasehold-tls");
+    // Removed on drop, also when the test fails.
+    let dir = leasehold_testkit::TempDir::new("leasehold-tls");
     test_certificates(&dir);
     let tls_port = free_port().to_string();
     let path = |f: &str| dir.join(f).to_string_lossy().into_owned();
@@ -542,7 +543,8 @@ async fn works_over_tls_with_a_private_ca_and_refuses_an_unknown_one() {
         "--tls-auth-clients",
         "no",
     ]);
-    let url = format!("rediss://localhost:{tls_port}/");
+    // Loopback by address (the certificate names it too): `localhost` may resolve elsewhere.
+    let url = format!("rediss://127.0.0.1:{tls_port}/");
     let untrusted = RedisBackend::connect(&url).await.unwrap_err();
     println!("without the CA: {untrusted}");
     assert!(
@@ -566,7 +568,6 @@ async fn works_over_tls_with_a_private_ca_and_refuses_an_unknown_one() {
     ));
     lease.release().await.unwrap();
     drop(server);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1323,6 +1324,7 @@ fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
         holder,
     } = Full::held("wedged", ttl);
     let url = server.url();
+    let (wedged_tx, wedged) = std::sync::mpsc::channel();
     let app = on_own_runtime(move || async move {
         let waiters = Quota::builder("wedged")
             .limit(1)
@@ -1332,6 +1334,7 @@ fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
             .unwrap();
         let waiter = tokio::spawn(async move { waiters.acquire("wedged-waiter").await });
         tokio::time::sleep(Duration::from_millis(300)).await; // refused once, waiting
+        wedged_tx.send(()).unwrap();
         std::thread::sleep(Duration::from_secs(3)); // this runtime is wedged: nothing runs
         drop(waiter);
     });
@@ -1343,7 +1346,7 @@ fn a_waiter_whose_runtime_is_blocked_does_not_keep_a_slot() {
         )),
         "the waiter's first attempt was answered full"
     );
-    std::thread::sleep(Duration::from_millis(600));
+    wedged.recv_timeout(Duration::from_secs(10)).unwrap();
     let released = Instant::now();
     main.block_on(holder.release()).unwrap();
     // The release event wins the slot for the wedged waiter (on leasehold's own runtime, which
@@ -1565,9 +1568,11 @@ fn a_slot_a_wedged_waiter_gives_back_keeps_the_lease_another_caller_shares() {
         .build()
         .unwrap();
     let in_app = quota.clone();
+    let (wedged_tx, wedged) = std::sync::mpsc::channel();
     let app = on_own_runtime(move || async move {
         let waiter = tokio::spawn(async move { in_app.acquire("x").await });
         tokio::time::sleep(Duration::from_millis(300)).await; // refused once, waiting
+        wedged_tx.send(()).unwrap();
         std::thread::sleep(Duration::from_secs(1)); // wedged: the waiter cannot take its slot
         drop(waiter);
     });
@@ -1578,7 +1583,7 @@ fn a_slot_a_wedged_waiter_gives_back_keeps_the_lease_another_caller_shares() {
         )),
         "the waiter's first attempt was answered full"
     );
-    std::thread::sleep(Duration::from_millis(600));
+    wedged.recv_timeout(Duration::from_secs(10)).unwrap();
     main.block_on(holder.release()).unwrap();
     // The release event wins "x" for the wedged waiter; another caller of the same task, on a
     // runtime that runs, shares that admission (`held`).
@@ -1614,6 +1619,7 @@ fn a_waiter_whose_slot_was_given_back_tries_again_as_soon_as_it_runs() {
     } = Full::held("retry-at-once", ttl);
     let url = server.url();
     let (admitted_tx, admitted_rx) = std::sync::mpsc::channel();
+    let (wedged_tx, wedged) = std::sync::mpsc::channel();
     let app = on_own_runtime(move || async move {
         let waiters = Quota::builder("retry-at-once")
             .limit(1)
@@ -1624,6 +1630,7 @@ fn a_waiter_whose_slot_was_given_back_tries_again_as_soon_as_it_runs() {
             .unwrap();
         let waiter = tokio::spawn(async move { waiters.acquire("w").await });
         tokio::time::sleep(Duration::from_millis(300)).await; // refused once, waiting
+        wedged_tx.send(()).unwrap();
         std::thread::sleep(Duration::from_millis(700)); // wedged across the release
         let lease = tokio::time::timeout(Duration::from_secs(10), waiter)
             .await
@@ -1633,12 +1640,12 @@ fn a_waiter_whose_slot_was_given_back_tries_again_as_soon_as_it_runs() {
         admitted_tx.send(Instant::now()).unwrap();
         drop(lease);
     });
-    std::thread::sleep(Duration::from_millis(500));
+    wedged.recv_timeout(Duration::from_secs(10)).unwrap();
     let released = Instant::now();
     main.block_on(holder.release()).unwrap();
     let admitted = admitted_rx.recv_timeout(Duration::from_secs(15)).unwrap();
     let after = admitted - released;
-    println!("admitted {after:?} after the release (runtime wedged for about 500 ms of it)");
+    println!("admitted {after:?} after the release (runtime wedged for about 700 ms of it)");
     // Not at the old holder's expiry hint (a ttl away) nor at a poll (5 s or more).
     assert!(after < Duration::from_millis(1500), "{after:?}");
     app.join().unwrap();

@@ -19,8 +19,11 @@ pub fn worker_path() -> PathBuf {
             let path = profile_dir.join("examples").join("worker");
             // `cargo test` builds examples, `cargo test --test processes` does not, and an old
             // binary may be left from an earlier build: cargo rebuilds it only if it is stale.
+            // `--workspace`, as `cargo test --workspace` resolves features: with `-p leasehold`
+            // the dependencies' features differ, and tokio, redis and leasehold were rebuilt in
+            // the middle of the run (30-90 s of CI; found by review).
             let mut build = Command::new(env!("CARGO"));
-            build.args(["build", "-q", "-p", "leasehold", "--example", "worker"]);
+            build.args(["build", "-q", "--workspace", "--example", "worker"]);
             if profile_dir.ends_with("release") {
                 build.arg("--release");
             }
