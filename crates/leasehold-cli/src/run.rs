@@ -192,19 +192,19 @@ async fn release_lost(lease: &Lease) -> bool {
 const RELEASE_AFTER_LOSS: Duration = Duration::from_millis(250);
 
 /// The wait ended without a lease, but an admission attempt may still be on its way to Redis.
-/// The library releases a late admission nobody takes, in the background: wait until it has
-/// (`Quota::flush`), since the process exits next. Then release the id once more: an attempt
-/// whose reply was lost (a connection dropped after Redis ran it) admitted nothing the library
-/// knows of. Only for a task id this run generated, which is unique to it: a task id given by
-/// the user may be shared with another process, so it is left alone (such a slot frees when the
-/// lease expires, one ttl later). Bounded in time.
+/// The library releases a late admission nobody takes, in the background (token-guarded, so
+/// it never ends another process's lease of the same id): wait until it has (`Quota::flush`),
+/// since the process exits next. Then release the id once more: an attempt whose reply was lost
+/// (a connection dropped after Redis ran it) admitted nothing the library knows of. That last
+/// release, by id alone, only for a task id this run generated, which is unique to it: a task id
+/// given by the user may be shared with another process, so it is left alone (such a slot frees
+/// when the lease expires, one ttl later). Bounded in time.
 async fn give_back_unclaimed(quota: &Quota, task_id: &str, generated: bool) {
-    if !generated {
-        return;
-    }
     let _ = tokio::time::timeout(Duration::from_secs(3), async {
         quota.flush().await;
-        let _ = quota.force_release(task_id).await;
+        if generated {
+            let _ = quota.force_release(task_id).await;
+        }
     })
     .await;
 }
