@@ -228,3 +228,12 @@ pub async fn release_then_served(
         .unwrap();
     (lease, released.elapsed())
 }
+
+/// The kind of an [`Error::BackendUnavailable`](leasehold::Error::BackendUnavailable), or `None`
+/// for any other error.
+pub fn unavailable_kind(err: &leasehold::Error) -> Option<leasehold::Unavailable> {
+    match err {
+        leasehold::Error::BackendUnavailable { kind, .. } => Some(*kind),
+        _ => None,
+    }
+}
