@@ -75,6 +75,9 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
     let hand_over = terminal
         .as_ref()
         .filter(|_| matches!(role, TerminalRole::Foreground(_)));
+    // In a group with others (a pipeline, a script) no `fg` can bring the command forward:
+    // never looked for, which would read every process's state at each look for a stop.
+    let fg_may_come = !matches!(role, TerminalRole::KeptOut);
     let mut child = match spawn(&args, &quota, &lease, role, signals.restore_ttou()) {
         Ok(child) => child,
         Err(failure) => {
@@ -89,6 +92,7 @@ pub async fn run(quota: Quota, args: RunArgs, verbose: bool) -> Result<i32, Fail
             let job = Job {
                 pid: pid as i32,
                 terminal: terminal.as_ref(),
+                fg_may_come,
             };
             if let Some(terminal) = hand_over {
                 terminal.give_to(job.pid);
@@ -344,6 +348,9 @@ enum Outcome {
 struct Job<'t> {
     pid: i32,
     terminal: Option<&'t Terminal>,
+    /// `leasehold run` is alone in its group, so a shell's `fg` may give that group the
+    /// terminal, to be passed on.
+    fg_may_come: bool,
 }
 
 impl Job<'_> {
@@ -360,7 +367,10 @@ impl Job<'_> {
     fn pass_terminal_on(&self) -> bool {
         // `may_hand_over` asks the terminal first (one ioctl), and reads /proc only when the
         // terminal is our group's.
-        let Some(terminal) = self.terminal.filter(|t| t.may_hand_over()) else {
+        let Some(terminal) = self
+            .terminal
+            .filter(|t| self.fg_may_come && t.may_hand_over())
+        else {
             return false;
         };
         terminal.give_to(self.pid);

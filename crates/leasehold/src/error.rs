@@ -233,8 +233,11 @@ pub enum Unavailable {
     /// Not sent: the quota's short-circuit is open after repeated failures, and refuses calls
     /// here until its cool-down lets a probe through (no network I/O, no wait).
     ShortCircuit,
-    /// Not sent: there is no connection to the server (refused, or none made within the call's
-    /// timeout: the host unreachable, a TLS handshake that never finishes).
+    /// Not sent: there is no connection to the server. It refused the connection (nothing
+    /// listens on its port), or, when connecting (`RedisBackend::connect`), none was made within
+    /// the connect timeout (the host unreachable, a TLS handshake that never finishes). A call
+    /// that waits for a reconnection that does not come in time is [`NoReply`](Self::NoReply):
+    /// it may have been sent before the link dropped.
     NoConnection,
     /// Not run: the server refused it for now (`LOADING`, `READONLY`, `MASTERDOWN`,
     /// `NOREPLICAS`, `OOM`, `BUSY`, `MISCONF`, `TRYAGAIN`, `CLUSTERDOWN`): a restart, a failover,
@@ -242,7 +245,9 @@ pub enum Unavailable {
     ServerRefused,
     /// Outcome unknown: the call may have been sent, but no reply came within the call's
     /// timeout, the connection broke, or the reply could not be read. The backend may have run
-    /// it, or may still run it (a server that stalled, then resumed).
+    /// it, or may still run it (a server that stalled, then resumed). Also an operation made of
+    /// several calls, one of which ran before a later one failed (a renewal of more leases than
+    /// one call takes; an acquire that had to release an earlier admission first).
     NoReply,
 }
 
@@ -343,6 +348,20 @@ impl Error {
             self,
             Error::Full { .. } | Error::TimedOut { .. } | Error::BackendUnavailable { .. }
         )
+    }
+
+    /// This error, met by a later call of an operation whose earlier call ran: the operation as a
+    /// whole may have changed the backend, whatever refused the later call (found by review).
+    pub(crate) fn after_a_call_ran(self) -> Self {
+        match self {
+            Error::BackendUnavailable { kind, detail } if !kind.may_have_run() => {
+                Error::BackendUnavailable {
+                    kind: Unavailable::NoReply,
+                    detail: format!("{detail} (after an earlier call of the same operation ran)"),
+                }
+            }
+            other => other,
+        }
     }
 
     /// An [`Error::BackendUnavailable`] of `kind`. For implementations of

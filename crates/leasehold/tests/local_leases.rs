@@ -345,3 +345,62 @@ async fn a_task_with_an_attempt_in_flight_takes_one_slot_not_a_local_one_too() {
         "the backend still counts a slot for x: {in_backend:?}"
     );
 }
+
+/// Like `a_task_with_an_attempt_in_flight_takes_one_slot_not_a_local_one_too`, but the task
+/// already has an admission in the backend that this process never saw answered (an earlier
+/// attempt whose reply was lost after the backend ran it), so the attempt in flight comes back
+/// `held`, not `acquired`: it is not adopted either, and both callers share the local lease
+/// (found by review: only `acquired` was checked).
+#[tokio::test]
+async fn a_held_reply_for_a_task_granted_a_local_lease_meanwhile_takes_one_slot() {
+    let backend = Arc::new(Switchable::default());
+    let q = quota(&backend, BackendDownPolicy::DegradeLocal { share: 1 }, LONG);
+    let keys = leasehold::QuotaKeys::new("local").unwrap();
+    // The admission of an earlier attempt whose reply was lost (ran, no reply).
+    backend
+        .inner
+        .acquire_with_limit(
+            &keys,
+            "x",
+            Duration::from_secs(5),
+            leasehold::backend::VersionedLimit {
+                limit: 2,
+                version: 0,
+            },
+        )
+        .await
+        .unwrap();
+    backend.answer_late(Some("x"));
+    let first = {
+        let q = q.clone();
+        tokio::spawn(async move { q.try_acquire("x").await })
+    };
+    backend.decided_late.notified().await; // answered `held`, answer on its way
+    backend.set_down(true);
+    let _ = q.try_acquire("probe").await; // the circuit opens
+    backend.set_down(false);
+    assert_eq!(q.breaker_mode(), leasehold::BreakerMode::Open);
+    let second = q.try_acquire("x").await.unwrap();
+    assert!(second.is_local());
+    let first = tokio::time::timeout(Duration::from_secs(5), first)
+        .await
+        .expect("the first acquire answered")
+        .unwrap()
+        .unwrap();
+    let in_backend = backend.inner.snapshot(&keys).await.unwrap().holders;
+    println!(
+        "first: local={} token={} held={}; second: local={} held={}; local_leases={}; backend holders={:?}",
+        first.is_local(),
+        first.fencing_token(),
+        first.is_held(),
+        second.is_local(),
+        second.is_held(),
+        q.local_leases(),
+        in_backend.iter().map(|h| (&h.task_id, h.token)).collect::<Vec<_>>()
+    );
+    assert!(
+        first.is_local() && second.is_held(),
+        "task x holds a backend slot (token {}) and a local one at once",
+        first.fencing_token()
+    );
+}

@@ -95,3 +95,37 @@ async fn a_release_refused_before_it_ran_leaves_nothing_to_land_late() {
     let next = quota.try_acquire("other").await.unwrap();
     assert!(next.fencing_token() > first.fencing_token());
 }
+
+/// An acquire whose first round trip ran (answered `held`, which extends the lease by a ttl) but
+/// whose re-release of the unanswered admission is then refused (no connection) is told
+/// `NoReply` (it may have run), not the release's "not run" kind (found by review).
+#[tokio::test]
+async fn an_acquire_that_ran_is_not_reported_as_not_run() {
+    use std::sync::atomic::Ordering;
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend);
+    let keys = QuotaKeys::new("late").unwrap();
+    let first = quota.try_acquire("t").await.unwrap();
+    backend.hold_back_releases(true);
+    first.release().await.unwrap_err(); // no reply: may land late
+    backend.hold_back_releases(false);
+    let before = backend.inner.snapshot(&keys).await.unwrap().holders[0].deadline_ms;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    backend.refuse_releases.store(true, Ordering::SeqCst);
+    let err = quota.try_acquire("t").await.unwrap_err();
+    let after = backend.inner.snapshot(&keys).await.unwrap().holders[0].deadline_ms;
+    println!(
+        "acquire error: {err:?}; lease deadline moved by {} ms",
+        after - before
+    );
+    assert!(
+        after > before,
+        "the acquire's first call ran and extended the lease"
+    );
+    let kind = common::unavailable_kind(&err).expect("unavailable");
+    assert!(
+        kind.may_have_run(),
+        "told {kind:?} (not run), but the acquire ran: the lease was extended by {} ms",
+        after - before
+    );
+}

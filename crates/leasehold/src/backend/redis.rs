@@ -568,7 +568,12 @@ impl Backend for RedisBackend {
             outcomes: Vec::with_capacity(leases.len()),
         };
         for (i, batch) in leases.chunks(RENEW_BATCH).enumerate() {
-            let reply = self.renew_batch(keys, ttl, epoch, batch).await?;
+            let reply = match self.renew_batch(keys, ttl, epoch, batch).await {
+                Ok(reply) => reply,
+                // The earlier batches ran: their leases are renewed in Redis, not confirmed here.
+                Err(e) if i > 0 => return Err(e.after_a_call_ran()),
+                Err(e) => return Err(e),
+            };
             // One reply has one epoch: leases of an earlier batch confirmed in another one would
             // send the wrong epoch next time, and be answered gone instead of re-registering
             // (found by review). Unconfirmed, they keep their deadlines and are renewed again.

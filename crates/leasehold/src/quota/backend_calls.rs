@@ -36,10 +36,13 @@ impl Shared {
         }
         tracing::debug!(quota = %self.keys.name, task_id, token = record.token,
             "an admission whose release got no answer came back held; released again");
+        // The first call ran (it extended that admission): whatever fails from here leaves the
+        // acquire's outcome unknown, not "not run".
         if let Err(e) = self.release_token(task_id, record.token).await {
-            return (Err(e), sent);
+            return (Err(e.after_a_call_ran()), sent);
         }
-        attempt().await
+        let (reply, sent) = attempt().await;
+        (reply.map_err(Error::after_a_call_ran), sent)
     }
 
     /// The backend call of a token-guarded release, remembering one that got no answer.

@@ -64,6 +64,7 @@ impl Shared {
         // Its task may have been cancelled before, which the policy could not read: its marker
         // is read once the backend answers again, with or without an outage's resubscription.
         self.local_markers_unread.store(true, Ordering::SeqCst);
+        self.local_watch.notify_one();
         self.watch_local_leases();
         Attempt::Admitted(Lease::from_inner(inner))
     }

@@ -24,6 +24,8 @@ pub struct Switchable {
     down: AtomicBool,
     renewals_down: AtomicBool,
     hold_back_releases: AtomicBool,
+    /// Releases refused before they are sent (no connection); other calls unaffected.
+    pub refuse_releases: AtomicBool,
     held_back: Mutex<Vec<(QuotaKeys, String, Option<u64>)>>,
     answered_late: Mutex<HashSet<String>>,
     failing_late: Mutex<HashSet<String>>,
@@ -176,6 +178,12 @@ impl Backend for Switchable {
     }
     async fn release(&self, keys: &QuotaKeys, id: &str, token: Option<u64>) -> Result<bool> {
         self.up()?;
+        if self.refuse_releases.load(Ordering::SeqCst) {
+            return Err(Error::unavailable(
+                Unavailable::NoConnection,
+                "releases refused",
+            ));
+        }
         if self.hold_back_releases.load(Ordering::SeqCst) {
             let call = (keys.clone(), id.to_owned(), token);
             self.held_back.lock().unwrap().push(call);
