@@ -42,6 +42,9 @@ pub struct Holder {
     pub id: String,
     /// Planned work left, in ms, at the time of reading.
     pub remaining_ms: i64,
+    /// How long it has been working, in ms, at the time of reading (its lease was granted
+    /// just before it started).
+    pub elapsed_ms: i64,
 }
 
 /// The redis-server, the proxies and the worker processes; all stopped on drop.
@@ -77,9 +80,12 @@ fn worker_path() -> PathBuf {
         .expect("target dir");
     let path = profile_dir.join("examples").join("chaos_worker");
     if !path.exists() {
-        // `cargo test` builds examples, `cargo test --test chaos` does not: build it now.
+        // `cargo test --workspace` builds the examples, `cargo test --test chaos` does not:
+        // build it now. With `--workspace`, as CI's `cargo test --workspace` resolves features:
+        // `-p leasehold` unifies them differently and rebuilt tokio, redis and leasehold in the
+        // middle of the test run.
         let mut build = Command::new(env!("CARGO"));
-        build.args(["build", "-p", "leasehold", "--example", "chaos_worker"]);
+        build.args(["build", "--workspace", "--example", "chaos_worker"]);
         if profile_dir.ends_with("release") {
             build.arg("--release");
         }
@@ -237,6 +243,7 @@ impl Fleet {
                     worker: log.worker,
                     id,
                     remaining_ms: hold_ms as i64 - elapsed_ms,
+                    elapsed_ms,
                 })
             })
             .collect();
@@ -252,18 +259,30 @@ impl Fleet {
         busy: &[usize],
         within: Duration,
     ) -> Option<Holder> {
+        self.wait_for_holders(1, within, |h| {
+            h.remaining_ms >= min_left_ms && !busy.contains(&h.worker)
+        })
+        .into_iter()
+        .next()
+    }
+
+    /// Waits (bounded; one look at least) until `want` workers of the current generation that
+    /// `fit` are working; returns those of the last look, most planned work left first: fewer
+    /// than `want`, or none, when time ran out.
+    pub fn wait_for_holders(
+        &self,
+        want: usize,
+        within: Duration,
+        fit: impl Fn(&Holder) -> bool,
+    ) -> Vec<Holder> {
         let end = Instant::now() + within;
-        while Instant::now() < end {
-            let found = self
-                .holders()
-                .into_iter()
-                .find(|h| h.remaining_ms >= min_left_ms && !busy.contains(&h.worker));
-            if found.is_some() {
+        loop {
+            let found: Vec<Holder> = self.holders().into_iter().filter(|h| fit(h)).collect();
+            if found.len() >= want || Instant::now() >= end {
                 return found;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        None
     }
 
     /// Lets the workers take new work.

@@ -1,8 +1,8 @@
 //! The mixed phase: faults drawn from a seeded schedule, overlapping, all on one fleet.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use super::checker::Faults;
 use super::fleet::Fleet;
 use super::model::{now_ns, Cancel, Ns, Window, MS};
 use super::ops::Ops;
@@ -51,7 +51,7 @@ pub fn mixed(
     plan: &mut Plan,
     length: Duration,
     seed: u64,
-) -> PhaseRecord {
+) -> (PhaseRecord, Faults) {
     let mut p = Phase::begin(fleet, "7-mixed", "");
     let ttl = fleet.settings.ttl;
     let began = Instant::now();
@@ -59,7 +59,9 @@ pub fn mixed(
     let mut next = began + Duration::from_millis(800);
     let mut redis_paused_once = false;
     let mut pending: Vec<(Instant, Undo, Ns)> = Vec::new();
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    // Draws that found something to hit count as injected; the phase fails if none did.
+    let mut faults = Faults::planned(0);
+    faults.unit = "draw";
     // Bounded: the schedule ends at `end`, and every undo is due within 2 x ttl of it.
     while Instant::now() < end || !pending.is_empty() {
         let now = Instant::now();
@@ -99,8 +101,9 @@ pub fn mixed(
                 };
                 pending.push((Instant::now() + lasts, undo, now_ns()));
             }
+            faults.planned += 1;
             if !matches!(injected, Injected::Skipped) {
-                *counts.entry(action).or_default() += 1;
+                faults.add(action);
             }
             next = now + Duration::from_millis(600 + plan.rng.below(800));
         }
@@ -116,10 +119,10 @@ pub fn mixed(
         );
     }
     p.lifted();
-    let drawn: Vec<String> = counts.iter().map(|(a, n)| format!("{a} x{n}")).collect();
-    p.record().fault = format!("seed {seed}: {}", drawn.join(", "));
+    faults.injected.sort();
+    p.record().fault = format!("seed {seed}, overlapping faults");
     run_for(Duration::from_millis(1500));
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// Starts `action`; says whether it did, and how to end it if it lasts.
@@ -217,8 +220,10 @@ fn undo_fault(fleet: &mut Fleet, p: &mut Phase, undo: Undo, start: Ns) {
     let r = p.record();
     match undo {
         Undo::Resume(k) => {
-            // Ends once SIGCONT was sent: the resumed holder's stop is measured from there.
-            r.paused.push((k, Window::new(start, lifted)));
+            // Ends as SIGCONT is sent, taken just before it: the resumed worker may run at once
+            // (on a loaded machine it can preempt the test) and end its work before `lifted`.
+            // The resumed holder's stop is measured from there.
+            r.paused.push((k, w));
             r.allowed
                 .push((Window::new(w.start, lifted + 300 * MS), "paused holder"));
         }

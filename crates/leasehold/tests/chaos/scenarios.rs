@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::checker::Faults;
 use super::fleet::Fleet;
 use super::model::{now_ns, Cancel, Rng, Window, MS};
 use super::ops::Ops;
@@ -35,25 +36,28 @@ const RECOVERY: Duration = Duration::from_millis(1500);
 const RECOVERY_AFTER_LOSS: Duration = Duration::from_millis(3500);
 /// How long to wait for a worker to be holding.
 const FIND_HOLDER: Duration = Duration::from_secs(3);
+/// 2-short pauses a holder at most this long after it started working.
+const FRESH_MS: i64 = 100;
 
 fn nanos(d: Duration) -> u128 {
     d.as_nanos()
 }
 
 /// 1: SIGKILL one or two random holders at a time, respawn them at once.
-pub fn kills(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+pub fn kills(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> (PhaseRecord, Faults) {
     let mut p = Phase::begin(fleet, "1-kill", "SIGKILL 1-2 random holders, respawned");
     run_for(WARM_UP);
     let rounds = plan.rounds(3, 12);
+    let mut faults = Faults::planned(rounds);
     for round in 0..rounds {
         let victims = 1 + plan.rng.below(2) as usize;
         let mut busy = Vec::new();
-        for _ in 0..victims {
-            let holders: Vec<_> = fleet
-                .holders()
-                .into_iter()
-                .filter(|h| h.remaining_ms >= 100 && !busy.contains(&h.worker))
-                .collect();
+        for k in 0..victims {
+            // A round's first victim is waited for; a second one only taken if already there.
+            let within = if k == 0 { FIND_HOLDER } else { Duration::ZERO };
+            let holders = fleet.wait_for_holders(1, within, |h| {
+                h.remaining_ms >= 100 && !busy.contains(&h.worker)
+            });
             if holders.is_empty() {
                 continue;
             }
@@ -61,6 +65,7 @@ pub fn kills(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
             busy.push(victim.worker);
             let kill = fleet.kill_and_respawn(victim.worker);
             p.record().kills.push(kill);
+            faults.add("SIGKILL");
         }
         if round + 1 == rounds {
             p.lifted();
@@ -68,55 +73,86 @@ pub fn kills(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
         // Longer than one ttl: the dead leases expire and their slots are reused in between.
         run_for(fleet.settings.ttl * 2 + Duration::from_millis(300));
     }
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// 2: SIGSTOP a holder for twice the ttl, then SIGCONT.
-pub fn pause_worker(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+pub fn pause_worker(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> (PhaseRecord, Faults) {
     let mut p = Phase::begin(fleet, "2-pause-worker", "SIGSTOP a holder for 2 x ttl");
     run_for(WARM_UP);
-    for _ in 0..plan.rounds(1, 4) {
+    let rounds = plan.rounds(1, 4);
+    let mut faults = Faults::planned(rounds);
+    for _ in 0..rounds {
         let Some(holder) = fleet.wait_for_holder(200, &[], FIND_HOLDER) else {
             continue;
         };
         let start = now_ns();
         fleet.pause(holder.worker);
+        faults.add("SIGSTOP");
         run_for(fleet.settings.ttl * 2);
+        // Taken just before SIGCONT: the resumed worker may run at once (on a loaded machine it
+        // can preempt the test) and end its work before a time taken after the signal.
+        let sigcont = now_ns();
         fleet.resume(holder.worker);
         let end = now_ns();
         p.lifted();
         let r = p.record();
-        // Ends once SIGCONT was sent: the resumed holder's stop is measured from there.
-        r.paused.push((holder.worker, Window::new(start, end)));
+        // Ends as SIGCONT is sent: the resumed holder's stop is measured from there.
+        r.paused.push((holder.worker, Window::new(start, sigcont)));
         r.allowed
             .push((Window::new(start, end + 300 * MS), "paused holder"));
         run_for(RECOVERY);
     }
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
-/// 2 (short): SIGSTOP a holder for a third of the ttl, less than its lease has left: the lease
-/// must survive (no false expiry, no self-fencing).
-pub fn pause_worker_short(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
-    let mut p = Phase::begin(fleet, "2-pause-short", "SIGSTOP a holder for ttl / 3");
+/// 2 (short): SIGSTOP a holder for one heartbeat (ttl / 3), less than its lease has left: the
+/// lease must survive (no false expiry, no self-fencing).
+///
+/// The holder is taken within `FRESH_MS` of the start of its work, so that the pause covers its
+/// lease's first renewal (due one heartbeat after its acquire was sent) while the lease still
+/// has most of its ttl: its local deadline is ttl - ttl / 20 = 950 ms after the acquire was
+/// sent, the pause ends at most 100 + 333 ms after the work started, so the renewal sent on
+/// resume has about 500 ms (less the acquire's round trip) to be answered. A holder taken at any
+/// point of its lease, as before, could be paused just before a renewal was due, leaving
+/// 950 - 2 x 333 = 284 ms, too little on a loaded 2-core machine. A lease lost here is still a
+/// defect: a false expiry, self-fencing on resume, or no renewal at once after a missed beat.
+pub fn pause_worker_short(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> (PhaseRecord, Faults) {
+    let pause = ops.heartbeat();
+    let mut p = Phase::begin(
+        fleet,
+        "2-pause-short",
+        "SIGSTOP a fresh holder for ttl / 3, over its first renewal",
+    );
     p.record().no_loss_expected = true;
     run_for(WARM_UP);
-    for _ in 0..plan.rounds(2, 6) {
-        let Some(holder) = fleet.wait_for_holder(600, &[], FIND_HOLDER) else {
+    let rounds = plan.rounds(2, 6);
+    let mut faults = Faults::planned(rounds);
+    for _ in 0..rounds {
+        let found = fleet.wait_for_holders(1, FIND_HOLDER, |h| {
+            h.elapsed_ms <= FRESH_MS && h.remaining_ms >= 600
+        });
+        let Some(holder) = found.into_iter().next() else {
             continue;
         };
         fleet.pause(holder.worker);
-        run_for(fleet.settings.ttl / 3);
+        faults.add("SIGSTOP");
+        run_for(pause);
         fleet.resume(holder.worker);
         p.lifted();
         run_for(Duration::from_millis(700));
     }
     run_for(RECOVERY);
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// 3a: Redis killed and restarted empty (no persistence), after `down`.
-pub fn restart(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, down: Duration) -> PhaseRecord {
+pub fn restart(
+    fleet: &mut Fleet,
+    ops: &Ops,
+    plan: &mut Plan,
+    down: Duration,
+) -> (PhaseRecord, Faults) {
     let fast = down < fleet.settings.ttl;
     let (name, fault) = if fast {
         (
@@ -131,8 +167,11 @@ pub fn restart(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, down: Duration) ->
     };
     let mut p = Phase::begin(fleet, name, fault);
     run_for(WARM_UP);
-    for _ in 0..plan.rounds(1, 3) {
+    let rounds = plan.rounds(1, 3);
+    let mut faults = Faults::planned(rounds);
+    for _ in 0..rounds {
         fleet.server.kill();
+        faults.add("Redis SIGKILL + restart");
         // Once the kill took effect: until then a renewal may still be answered.
         let start = now_ns();
         run_for(down);
@@ -149,15 +188,18 @@ pub fn restart(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, down: Duration) ->
         ));
         run_for(RECOVERY_AFTER_LOSS);
     }
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// 3b: Redis SIGSTOPped for 1.5 x ttl, then SIGCONT.
-pub fn pause_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+pub fn pause_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> (PhaseRecord, Faults) {
     let mut p = Phase::begin(fleet, "3b-pause-redis", "Redis SIGSTOPped for 1.5 x ttl");
     run_for(WARM_UP);
-    for _ in 0..plan.rounds(1, 3) {
+    let rounds = plan.rounds(1, 3);
+    let mut faults = Faults::planned(rounds);
+    for _ in 0..rounds {
         fleet.server.pause();
+        faults.add("Redis SIGSTOP");
         // Once the pause took effect: until then a renewal may still be answered.
         let start = now_ns();
         run_for(fleet.settings.ttl * 3 / 2);
@@ -166,11 +208,11 @@ pub fn pause_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord
         p.redis_back(start, lifting);
         run_for(RECOVERY);
     }
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// 3c: a script keeps Redis busy for 1.5 x ttl; every other client gets `BUSY` meanwhile.
-pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> (PhaseRecord, Faults) {
     let mut p = Phase::begin(
         fleet,
         "3c-busy-redis",
@@ -184,7 +226,9 @@ pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord 
         "{threshold:?}"
     );
     run_for(WARM_UP);
-    for _ in 0..plan.rounds(1, 3) {
+    let rounds = plan.rounds(1, 3);
+    let mut faults = Faults::planned(rounds);
+    for _ in 0..rounds {
         let start = now_ns();
         // Set when the test starts killing the script: from then on Redis may answer.
         let mut lifting = start;
@@ -210,29 +254,37 @@ pub fn busy_redis(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord 
                 "the busy script ended with {reply:?}"
             );
         });
+        faults.add("Redis BUSY");
         p.redis_back(start, lifting);
         run_for(RECOVERY);
     }
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// 4: one holder partitioned (connections refused) and another stalled (half-open link) for
 /// 2 x ttl; the rest of the fleet stays healthy.
-pub fn partition(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
+pub fn partition(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> (PhaseRecord, Faults) {
     let mut p = Phase::begin(
         fleet,
         "4-partition",
         "one holder partitioned, another stalled, 2 x ttl",
     );
     run_for(WARM_UP);
-    for _ in 0..plan.rounds(1, 4) {
-        let Some(cut) = fleet.wait_for_holder(150, &[], FIND_HOLDER) else {
+    let rounds = plan.rounds(1, 4);
+    let mut faults = Faults::planned(rounds);
+    for _ in 0..rounds {
+        // Both holders from one look, cut at once: a first one found while waiting for a
+        // second could have finished its work before its cut.
+        let found = fleet.wait_for_holders(2, FIND_HOLDER, |h| h.remaining_ms >= 150);
+        let Some(cut) = found.first().cloned() else {
             continue;
         };
-        let stalled = fleet.wait_for_holder(150, &[cut.worker], FIND_HOLDER);
+        let stalled = found.get(1).cloned();
         fleet.proxies[cut.worker].partition(true);
+        faults.add("partition");
         if let Some(s) = &stalled {
             fleet.proxies[s.worker].stall(true);
+            faults.add("stall");
         }
         // Once both cuts took effect: until then a renewal may still be answered.
         let start = now_ns();
@@ -250,11 +302,16 @@ pub fn partition(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan) -> PhaseRecord {
         }
         run_for(RECOVERY);
     }
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// 5: `each_way` added to every chunk in both directions on every proxy.
-pub fn latency(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, each_way: Duration) -> PhaseRecord {
+pub fn latency(
+    fleet: &mut Fleet,
+    ops: &Ops,
+    plan: &mut Plan,
+    each_way: Duration,
+) -> (PhaseRecord, Faults) {
     let round_trip = each_way * 2;
     let heavy = round_trip >= fleet.settings.ttl / 3;
     let name = if heavy {
@@ -269,7 +326,9 @@ pub fn latency(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, each_way: Duration
     let mut p = Phase::begin(fleet, name, &fault);
     p.record().no_loss_expected = !heavy;
     run_for(WARM_UP);
+    let mut faults = Faults::planned(1);
     fleet.each_proxy(|proxy| proxy.set_latency(each_way));
+    faults.add("latency");
     let slowed_from = now_ns();
     run_for(Duration::from_millis(plan.rounds(3000, 12_000) as u64));
     fleet.each_proxy(|proxy| proxy.set_latency(Duration::ZERO));
@@ -277,7 +336,7 @@ pub fn latency(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, each_way: Duration
     let slowed = Window::new(slowed_from, p.record().faults_lifted);
     p.record().slowed.push((slowed, each_way));
     run_for(RECOVERY);
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// How a cancel reaches its holder.
@@ -292,7 +351,12 @@ pub enum CancelPath {
 }
 
 /// 6: cancels of running tasks, along `path`.
-pub fn cancels(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, path: CancelPath) -> PhaseRecord {
+pub fn cancels(
+    fleet: &mut Fleet,
+    ops: &Ops,
+    plan: &mut Plan,
+    path: CancelPath,
+) -> (PhaseRecord, Faults) {
     let (name, fault) = match path {
         CancelPath::PubSub => ("6a-cancel", "cancels, Pub/Sub delivered"),
         CancelPath::PushesDropped => (
@@ -305,7 +369,9 @@ pub fn cancels(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, path: CancelPath) 
     let dropped = path == CancelPath::PushesDropped;
     fleet.each_proxy(|proxy| proxy.drop_pushes(dropped));
     run_for(WARM_UP);
-    for _ in 0..plan.rounds(3, 10) {
+    let rounds = plan.rounds(3, 10);
+    let mut faults = Faults::planned(rounds);
+    for _ in 0..rounds {
         let Some(holder) = fleet.wait_for_holder(600, &[], FIND_HOLDER) else {
             continue;
         };
@@ -316,25 +382,28 @@ pub fn cancels(fleet: &mut Fleet, ops: &Ops, plan: &mut Plan, path: CancelPath) 
         };
         assert!(sent, "{name}: the cancel of {} failed", holder.id);
         p.record().cancels.push(Cancel { id: holder.id, at });
+        faults.add("cancel");
         run_for(Duration::from_millis(700));
     }
     fleet.each_proxy(|proxy| proxy.drop_pushes(false));
     p.lifted();
     run_for(RECOVERY);
-    p.finish(fleet, ops)
+    (p.finish(fleet, ops), faults)
 }
 
 /// 8: Redis down for 1.5 x ttl with the whole fleet on the backend-down `policy` (`open` or
 /// `degrade:N`): what the policy admits while Redis cannot answer. The fleet goes back to
 /// failing closed afterwards.
-pub fn outage_policy(fleet: &mut Fleet, ops: &Ops, policy: &str) -> PhaseRecord {
+pub fn outage_policy(fleet: &mut Fleet, ops: &Ops, policy: &str) -> (PhaseRecord, Faults) {
     fleet.respawn_all(policy);
     let name = format!("8-outage-{}", policy.replace(':', ""));
     let fault = format!("Redis down 1.5 x ttl, workers on policy {policy}");
     let mut p = Phase::begin(fleet, &name, &fault);
     p.record().policy_admits = true;
     run_for(WARM_UP);
+    let mut faults = Faults::planned(1);
     fleet.server.kill();
+    faults.add("Redis down");
     // Once the kill took effect: until then a renewal may still be answered.
     let start = now_ns();
     run_for(fleet.settings.ttl * 3 / 2);
@@ -354,5 +423,5 @@ pub fn outage_policy(fleet: &mut Fleet, ops: &Ops, policy: &str) -> PhaseRecord 
     run_for(RECOVERY_AFTER_LOSS);
     let record = p.finish(fleet, ops);
     fleet.respawn_all("closed");
-    record
+    (record, faults)
 }
