@@ -158,8 +158,7 @@ impl Shared {
                             Some(local) => {
                                 let new = matches!(reply, Ok(AcquireReply::Acquired(_)));
                                 if new {
-                                    if let Err(e) = shared.release_token(&id, record.token).await
-                                    {
+                                    if let Err(e) = shared.release_token(&id, record.token).await {
                                         tracing::warn!(quota = %shared.keys.name, task_id = %id,
                                             error = %e, "a slot admitted beside the task's \
                                             local lease was not given back; it expires after \
