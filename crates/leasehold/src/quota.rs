@@ -100,10 +100,11 @@ pub(crate) struct Shared {
     subscribe_refused: AtomicBool,
     /// The task that watches local leases (their subscription, their cancel markers) runs.
     watching_local: AtomicBool,
-    /// The local leases' cancel markers must be read: a lease was granted (its task may have
-    /// been cancelled before, which the policy could not read), or the subscription was made
+    /// When the local leases' cancel markers must be read: a second after a lease was granted
+    /// (its task may have been cancelled before, which the policy could not read; at once, the
+    /// read would meet the failure that made the grant), at once when the subscription was made
     /// again (a cancel sent meanwhile went unheard). Cleared by the watcher's read.
-    local_markers_unread: AtomicBool,
+    local_markers_due: Mutex<Option<Instant>>,
     /// Wakes the watcher of local leases for a read now.
     local_watch: Arc<tokio::sync::Notify>,
     /// Cancelled when the last handle of the quota goes: its background tasks stop.
@@ -136,7 +137,7 @@ impl Quota {
             subscribe_now: Arc::default(),
             subscribe_refused: AtomicBool::new(false),
             watching_local: AtomicBool::new(false),
-            local_markers_unread: AtomicBool::new(false),
+            local_markers_due: Mutex::new(None),
             local_watch: Arc::default(),
             shutdown: CancellationToken::new(),
             alarm: Arc::default(),

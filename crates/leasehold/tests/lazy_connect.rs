@@ -11,11 +11,17 @@ use leasehold::{
 };
 use leasehold_testkit::RedisServer;
 
-/// Retries `try_acquire` while Redis cannot answer, for at most 10 s.
+/// Retries `try_acquire` while Redis cannot answer, for at most 10 s: until it is answered in
+/// Redis. A local lease (the policy's, while the short-circuit opened by the outage cools down)
+/// is given back at once.
 async fn acquire_once_redis_answers(quota: &Quota, task_id: &str) -> leasehold::Lease {
     let give_up = Instant::now() + Duration::from_secs(10);
     loop {
         match quota.try_acquire(task_id).await {
+            Ok(lease) if lease.is_local() && Instant::now() < give_up => {
+                lease.release().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
             Ok(lease) => break lease,
             Err(Error::BackendUnavailable { .. }) if Instant::now() < give_up => {
                 tokio::time::sleep(Duration::from_millis(50)).await

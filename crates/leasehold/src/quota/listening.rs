@@ -41,8 +41,32 @@ impl Shared {
     /// never made again, left a cancelled task running on its local lease for good: found by
     /// review.)
     pub(super) fn recheck_local_cancels(self: &Arc<Self>) {
-        self.local_markers_unread.store(true, Ordering::SeqCst);
+        self.local_markers_due_at(Instant::now());
         self.local_watch.notify_one();
+    }
+
+    /// The local leases' cancel markers are to be read at `at`, or sooner if already due.
+    pub(super) fn local_markers_due_at(&self, at: Instant) {
+        let mut due = self
+            .local_markers_due
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *due = Some(due.map_or(at, |due| due.min(at)));
+    }
+
+    /// Whether the local leases' cancel markers are due for a read now; if so, no longer due.
+    pub(super) fn take_local_markers_due(&self) -> bool {
+        let mut due = self
+            .local_markers_due
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match *due {
+            Some(at) if at <= Instant::now() => {
+                *due = None;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Reads the cancel markers of the local leases held, one after another, and ends the

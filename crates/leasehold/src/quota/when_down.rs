@@ -2,6 +2,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
+use std::time::Instant;
 
 use super::attempt::Attempt;
 use super::listening::SUBSCRIBE_RETRY;
@@ -63,8 +64,9 @@ impl Shared {
         drop(local);
         // Its task may have been cancelled before, which the policy could not read: its marker
         // is read once the backend answers again, with or without an outage's resubscription.
-        self.local_markers_unread.store(true, Ordering::SeqCst);
-        self.local_watch.notify_one();
+        // Not at once: the backend just failed the call that led here, and a read now would
+        // only fail too (and count towards opening the short-circuit).
+        self.local_markers_due_at(Instant::now() + SUBSCRIBE_RETRY);
         self.watch_local_leases();
         Attempt::Admitted(Lease::from_inner(inner))
     }
@@ -74,8 +76,9 @@ impl Shared {
     /// that would subscribe again, so while any is held, a watcher ticks every
     /// [`SUBSCRIBE_RETRY`]:
     /// - it retries the subscription until it is in place, and again whenever it drops;
-    /// - it reads the markers while one may hold a cancel no message told (a lease just granted,
-    ///   a subscription made again), at each tick until a read gets through the short-circuit;
+    /// - it reads the markers while one may hold a cancel no message told (a tick after a lease
+    ///   was granted, at once after a subscription made again), at each tick until a read gets
+    ///   through the short-circuit;
     /// - it reads them at every tick when no message can come: events off, or the subscription
     ///   refused (an ACL without the channel), which is then asked for only every
     ///   [`REFUSED_SUBSCRIBE_RETRY`] ticks, since each refused attempt would be for nothing.
@@ -104,9 +107,10 @@ impl Shared {
                 }
                 let refused = this.subscribe_refused.load(Ordering::Acquire);
                 let deaf = !this.config.events || refused;
-                let unread = this.local_markers_unread.swap(false, Ordering::SeqCst);
-                if (deaf || unread) && !this.clone().read_local_cancel_markers().await {
-                    this.local_markers_unread.store(true, Ordering::SeqCst);
+                let due = this.take_local_markers_due();
+                if (deaf || due) && !this.clone().read_local_cancel_markers().await {
+                    // Not read through (the short-circuit, the backend still down): next tick.
+                    this.local_markers_due_at(Instant::now());
                 }
                 if this.config.events
                     && (!refused || ticks_since_attempt >= REFUSED_SUBSCRIBE_RETRY)

@@ -37,18 +37,16 @@ impl Counting {
         })
     }
 
-    /// While down, acquires, renewals and releases fail `BackendUnavailable`, as an unreachable
-    /// Redis would; the other calls still go through.
+    /// While down, acquires, renewals and releases fail `BackendUnavailable` with no reply (the
+    /// outcome unknown, as a Redis that stopped answering leaves it: a release may land late);
+    /// the other calls still go through.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
     }
 
     fn up(&self) -> Result<()> {
         match self.down.load(Ordering::SeqCst) {
-            true => Err(Error::unavailable(
-                Unavailable::NoConnection,
-                "switched off",
-            )),
+            true => Err(Error::unavailable(Unavailable::NoReply, "switched off")),
             false => Ok(()),
         }
     }
