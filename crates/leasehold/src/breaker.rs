@@ -33,7 +33,8 @@ pub struct BreakerConfig {
     /// How long the circuit stays open before a probe, jittered between half and one and a half
     /// of it so that a fleet does not reconnect in lockstep. Default 1 s. Acquires are answered
     /// by the backend-down policy until the probe succeeds: up to 1.5 × this after the backend
-    /// is back (a renewal that gets through closes the circuit sooner).
+    /// is back (a renewal that gets through closes the circuit sooner). At most
+    /// [`MAX_TTL`](crate::MAX_TTL).
     pub cool_down: Duration,
 }
 

@@ -13,6 +13,8 @@ use crate::quota::Quota;
 
 /// Shortest lease ttl accepted.
 pub const MIN_TTL: Duration = Duration::from_millis(50);
+/// The shortest heartbeat a quota accepts: each beat is a backend call.
+pub const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
 /// Longest lease ttl accepted.
 pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
 /// The longest cancel marker ttl a quota accepts (30 days).
@@ -182,8 +184,9 @@ impl QuotaBuilder {
         self
     }
 
-    /// How often leases are renewed. Default ttl / 3; must leave room for a renewal to arrive
-    /// before the local deadline (ttl in whole ms − 1 ms − safety margin).
+    /// How often leases are renewed. Default ttl / 3; at least [`MIN_HEARTBEAT`], and must leave
+    /// room for a renewal to arrive before the local deadline (ttl in whole ms − 1 ms − safety
+    /// margin).
     pub fn heartbeat(mut self, every: Duration) -> Self {
         self.heartbeat = Some(every);
         self
@@ -296,10 +299,12 @@ impl QuotaBuilder {
         // A heartbeat as long as what a renewal grants would lose every lease before its first
         // renewal.
         let validity = validity(self.ttl, safety_margin);
-        if heartbeat.is_zero() || heartbeat >= validity {
+        // A floor, as for the poll interval: each beat is a backend call, and one held lease at
+        // a 1 ns heartbeat cost Redis 871 renewals a second (found by review).
+        if heartbeat < MIN_HEARTBEAT || heartbeat >= validity {
             return Err(timing(format!(
-                "heartbeat {heartbeat:?} must be above zero and below what a renewal grants, \
-                 {validity:?} (ttl in whole ms − 1 ms − safety margin)"
+                "heartbeat {heartbeat:?} must be at least {MIN_HEARTBEAT:?} and below what a \
+                 renewal grants, {validity:?} (ttl in whole ms − 1 ms − safety margin)"
             ))
             .into());
         }
@@ -315,10 +320,17 @@ impl QuotaBuilder {
         if self.when_down == (BackendDownPolicy::DegradeLocal { share: 0 }) {
             return Err(timing("DegradeLocal needs a share of at least 1".into()).into());
         }
-        if self.breaker.failures_to_open == 0 || self.breaker.cool_down.is_zero() {
-            return Err(
-                timing("the breaker needs failures_to_open ≥ 1 and a cool-down".into()).into(),
-            );
+        // Bounded like a ttl: the cool-down is jittered by multiplication, which overflows near
+        // `Duration::MAX` (found by review: a panic on leasehold's runtime at the first failure).
+        if self.breaker.failures_to_open == 0
+            || self.breaker.cool_down.is_zero()
+            || self.breaker.cool_down > MAX_TTL
+        {
+            return Err(timing(format!(
+                "the breaker needs failures_to_open ≥ 1 and a cool-down above zero and at most \
+                 {MAX_TTL:?}"
+            ))
+            .into());
         }
         if self.poll_interval < Duration::from_millis(1) || self.poll_interval > MAX_TTL {
             return Err(timing(format!(
@@ -410,5 +422,14 @@ mod tests {
         assert!(misconfigured(q().poll_interval(Duration::ZERO)));
         assert!(misconfigured(q().poll_interval(Duration::MAX)));
         assert!(!misconfigured(q().poll_interval(MAX_TTL)));
+        // Found by review: 871 renewals a second for one lease; a panic at the first failure.
+        assert!(misconfigured(q().heartbeat(Duration::from_nanos(1))));
+        assert!(!misconfigured(q().heartbeat(MIN_HEARTBEAT)));
+        let breaker = |cool_down| crate::BreakerConfig {
+            failures_to_open: 1,
+            cool_down,
+        };
+        assert!(misconfigured(q().breaker(breaker(Duration::MAX))));
+        assert!(!misconfigured(q().breaker(breaker(MAX_TTL))));
     }
 }

@@ -18,6 +18,10 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
         let Some(shared) = shared.upgrade() else {
             return;
         };
+        // Counted for `Quota::flush`, and dropped after the leases looked up below: a holder
+        // told `lost` here may drop its lease and flush at once, and then this task's handle is
+        // the last, whose drop sends the release (found by review: `flush` returned before it).
+        let _work = shared.admissions.pending.start();
         match event {
             Ok(QuotaEvent::Released { task_id, token }) => {
                 if let Some(lease) = shared.lease(&task_id) {

@@ -88,6 +88,10 @@ async fn run(shared: Weak<Shared>, stop: CancellationToken, alarm: Arc<Alarm>) {
             let Some(shared) = shared.upgrade() else {
                 return;
             };
+            // Dropped after `leases`: a lease marked lost below whose holder drops it and
+            // flushes at once is last dropped here, and its release must count (as in
+            // `events::listen`).
+            let _work = shared.admissions.pending.start();
             let now = Instant::now();
             let leases = shared.leases();
             for lease in &leases {

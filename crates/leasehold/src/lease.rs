@@ -66,6 +66,10 @@ pub(crate) struct ReleaseState {
     sent: AtomicBool,
     /// Left to expire on purpose (`abandon`): nobody releases it.
     abandoned: AtomicBool,
+    /// Held by a `Lease::release` call while it claims and sends: a concurrent call of another
+    /// handle of the admission waits for that send's outcome instead of returning `Ok` while
+    /// the slot is still held (found by review), and sends again if it failed.
+    calls: tokio::sync::Mutex<()>,
 }
 
 impl ReleaseState {
@@ -474,7 +478,13 @@ impl Lease {
     /// did not confirm), and does nothing otherwise. When it sends, a failure of that call is
     /// returned (and a later `release` may try again). The backend only removes the lease while
     /// it still carries this fencing token, so a late release can never free someone else's slot.
+    ///
+    /// Calls through several handles of one lease (clones) go one after another: a call made
+    /// while another one's release is on its way returns once that one is answered (and sends
+    /// again if it failed). A call whose caller stops waiting leaves its release to finish in
+    /// the background.
     pub async fn release(&self) -> Result<()> {
+        let _one_at_a_time = self.inner.release.calls.lock().await;
         if !self.inner.claim_release() {
             return Ok(());
         }

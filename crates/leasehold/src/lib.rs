@@ -55,7 +55,9 @@ pub use backend::memory::MemoryBackend;
 pub use backend::redis::{RedisBackend, RedisOptions};
 pub use backend::{Backend, LimitUpdate, VersionedLimit};
 pub use breaker::{BreakerConfig, BreakerMode};
-pub use config::{BackendDownPolicy, QuotaBuilder, MAX_CANCEL_MARKER_TTL, MAX_TTL, MIN_TTL};
+pub use config::{
+    BackendDownPolicy, QuotaBuilder, MAX_CANCEL_MARKER_TTL, MAX_TTL, MIN_HEARTBEAT, MIN_TTL,
+};
 pub use error::{Error, FullCause, LostReason, Misconfiguration, Result, Unavailable};
 pub use keys::{
     validate_cancel_reason, validate_task_id, QuotaKeys, MAX_CANCEL_REASON_BYTES, MAX_LIMIT,

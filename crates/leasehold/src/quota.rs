@@ -52,6 +52,16 @@ pub use status::{Holder, Status};
 /// plus the ttl (two ttls when longer) unless
 /// [`cancel_marker_ttl`](crate::QuotaBuilder::cancel_marker_ttl) says otherwise.
 ///
+/// **Runtimes.** Backend calls and renewals run on leasehold's own runtime thread, started at
+/// the first use, whatever runtime the caller uses (or none). Two things run on the caller's
+/// tokio timer: the bound of [`acquire_timeout`](Self::acquire_timeout) and a waiter's sleeps
+/// between attempts. Under a paused clock (tokio's `test-util`: `start_paused`,
+/// `time::pause`), which jumps ahead whenever the caller's runtime idles, so also while it
+/// waits for leasehold's thread, `acquire_timeout` ends at once with `TimedOut` and a waiter
+/// retries in a busy loop: under a paused clock, use [`try_acquire`](Self::try_acquire).
+/// leasehold's thread does not survive a `fork`: fork before the first use (or `exec` after
+/// it); calls in a child forked after it never complete.
+///
 /// ```
 /// # #[tokio::main] async fn main() -> leasehold::Result<()> {
 /// use std::time::Duration;

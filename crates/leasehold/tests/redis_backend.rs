@@ -2277,3 +2277,40 @@ async fn a_channel_the_acl_refuses_does_not_cost_the_others_their_subscription_a
         "a, allowed, unsubscribed for {deaf:?} after a plain reconnect"
     );
 }
+
+/// Timeouts out of range are a misconfiguration at connect, before any I/O: `Duration::MAX`
+/// ("no timeout") overflowed and panicked, zero would read every call as an outage (found by
+/// review).
+#[tokio::test]
+async fn timeouts_out_of_range_are_misconfiguration_not_a_panic() {
+    for (call_timeout, connect_timeout) in [
+        (Duration::MAX, Duration::from_secs(1)),
+        (Duration::ZERO, Duration::from_secs(1)),
+        (Duration::from_secs(1), Duration::MAX),
+        (Duration::from_secs(1), Duration::ZERO),
+    ] {
+        let options = leasehold::RedisOptions {
+            call_timeout,
+            connect_timeout,
+            ..leasehold::RedisOptions::default()
+        };
+        let lazy = RedisBackend::connect_lazy("redis://127.0.0.1:1/", options.clone()).await;
+        assert!(
+            matches!(
+                lazy,
+                Err(Error::Misconfigured(Misconfiguration::InvalidTiming(_)))
+            ),
+            "{call_timeout:?} / {connect_timeout:?}: {:?}",
+            lazy.map(drop)
+        );
+        let eager = RedisBackend::connect_with("redis://127.0.0.1:1/", options).await;
+        assert!(
+            matches!(
+                eager,
+                Err(Error::Misconfigured(Misconfiguration::InvalidTiming(_)))
+            ),
+            "{call_timeout:?} / {connect_timeout:?}: {:?}",
+            eager.map(drop)
+        );
+    }
+}

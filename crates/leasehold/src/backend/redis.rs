@@ -78,9 +78,11 @@ const EVENT_CAPACITY: usize = 1024;
 /// Options of a [`RedisBackend`].
 #[derive(Debug, Clone)]
 pub struct RedisOptions {
-    /// Bound on every single Redis call, connection set-up included. Default 1 s.
+    /// Bound on every single Redis call, connection set-up included. Default 1 s; from 1 ms to
+    /// [`MAX_TTL`](crate::MAX_TTL).
     pub call_timeout: Duration,
-    /// Bound on one attempt to open a TCP/TLS connection. Default 1 s.
+    /// Bound on one attempt to open a TCP/TLS connection. Default 1 s; from 1 ms to
+    /// [`MAX_TTL`](crate::MAX_TTL).
     pub connect_timeout: Duration,
     /// For `rediss://` servers whose certificate is signed by a private CA: that CA, in PEM.
     /// `None` trusts the system's root certificates.
@@ -795,6 +797,20 @@ impl Backend for RedisBackend {
 /// The client for `url` with `options` (RESP3, the TCP settings, the TLS root), and the URL's
 /// database number; no I/O.
 fn client_for(url: &str, options: &RedisOptions) -> Result<(redis::Client, i64)> {
+    // A zero timeout would read as an outage, and one near `Duration::MAX` overflows the
+    // arithmetic on it (found by review: a panic in `connect_lazy`).
+    for (what, timeout) in [
+        ("call timeout", options.call_timeout),
+        ("connect timeout", options.connect_timeout),
+    ] {
+        if timeout < Duration::from_millis(1) || timeout > crate::MAX_TTL {
+            return Err(Misconfiguration::InvalidTiming(format!(
+                "{what} {timeout:?} must be between 1ms and {:?}",
+                crate::MAX_TTL
+            ))
+            .into());
+        }
+    }
     // rustls panics at the first TLS connect unless a process-wide provider is chosen.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let info = url
