@@ -234,10 +234,11 @@ pub enum Unavailable {
     /// here until its cool-down lets a probe through (no network I/O, no wait).
     ShortCircuit,
     /// Not sent: there is no connection to the server. It refused the connection (nothing
-    /// listens on its port), or, when connecting (`RedisBackend::connect`), none was made within
-    /// the connect timeout (the host unreachable, a TLS handshake that never finishes). A call
-    /// that waits for a reconnection that does not come in time is [`NoReply`](Self::NoReply):
-    /// it may have been sent before the link dropped.
+    /// listens on its port), or `RedisBackend::connect` made none (the host unreachable, a TLS
+    /// handshake that never finishes, no answer within the call timeout: every failure of
+    /// `connect` is this kind, since no backend exists yet to run anything). A call that waits
+    /// for a reconnection that does not come in time is [`NoReply`](Self::NoReply): it may have
+    /// been sent before the link dropped.
     NoConnection,
     /// Not run: the server refused it for now (`LOADING`, `READONLY`, `MASTERDOWN`,
     /// `NOREPLICAS`, `OOM`, `BUSY`, `MISCONF`, `TRYAGAIN`, `CLUSTERDOWN`): a restart, a failover,

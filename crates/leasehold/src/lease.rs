@@ -481,8 +481,9 @@ impl Lease {
     ///
     /// Calls through several handles of one lease (clones) go one after another: a call made
     /// while another one's release is on its way returns once that one is answered (and sends
-    /// again if it failed). A call whose caller stops waiting leaves its release to finish in
-    /// the background.
+    /// again if it failed). A call whose caller stops waiting (a timeout, a `select!`) leaves its
+    /// release to finish in the background, and then a concurrent call returns `Ok` at once,
+    /// as after a release already sent: [`Quota::flush`](crate::Quota::flush) waits for it.
     pub async fn release(&self) -> Result<()> {
         let _one_at_a_time = self.inner.release.calls.lock().await;
         if !self.inner.claim_release() {

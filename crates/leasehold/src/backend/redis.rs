@@ -252,17 +252,21 @@ impl RedisBackend {
         })
         .await
         .map_err(|e| match e {
-            // Say which server: a process may use several.
-            Error::BackendUnavailable {
-                kind, detail: why, ..
-            } => {
+            // Say which server: a process may use several. Whatever the call that failed (the
+            // first connection, its PING, a script load), no backend was made, so no call of
+            // the caller's ran: `NoConnection` (found by review: a connect that timed out inside
+            // redis-rs read as `NoReply`).
+            Error::BackendUnavailable { detail: why, .. } => {
                 // A server without TLS never answers a TLS handshake: the client times out,
                 // which looks like any unreachable server.
                 let hint = match url.starts_with("rediss://") {
                     true => " (if the server does not speak TLS, use redis://)",
                     false => "",
                 };
-                Error::unavailable(kind, format!("{}: {why}{hint}", redacted(url)))
+                Error::unavailable(
+                    Unavailable::NoConnection,
+                    format!("{}: {why}{hint}", redacted(url)),
+                )
             }
             other => other,
         })
