@@ -69,7 +69,7 @@ pub(crate) struct ReleaseState {
     /// Held by a `Lease::release` call while it claims and sends: a concurrent call of another
     /// handle of the admission waits for that send's outcome instead of returning `Ok` while
     /// the slot is still held (found by review), and sends again if it failed.
-    calls: tokio::sync::Mutex<()>,
+    calls: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl ReleaseState {
@@ -335,11 +335,13 @@ impl LeaseInner {
 
 impl Drop for LeaseInner {
     fn drop(&mut self) {
+        // Counted before the claim, which wakes `lost()`: a watcher that hears it and flushes
+        // at once must find the release counted (found by review).
+        let work = self.quota.admissions.pending.start();
         if self.claim_release() {
             let quota = self.quota.clone();
             let task_id = std::mem::take(&mut self.task_id);
             let token = self.token;
-            let work = quota.admissions.pending.start();
             runtime::spawn(async move {
                 let _work = work;
                 if let Err(e) = quota.release_in_backend(&task_id, Some(token)).await {
@@ -482,20 +484,24 @@ impl Lease {
     /// Calls through several handles of one lease (clones) go one after another: a call made
     /// while another one's release is on its way returns once that one is answered (and sends
     /// again if it failed). A call whose caller stops waiting (a timeout, a `select!`) leaves its
-    /// release to finish in the background, and then a concurrent call returns `Ok` at once,
-    /// as after a release already sent: [`Quota::flush`](crate::Quota::flush) waits for it.
+    /// release to finish in the background, and a concurrent call still waits for it.
     pub async fn release(&self) -> Result<()> {
-        let _one_at_a_time = self.inner.release.calls.lock().await;
+        // Owned, and moved into the send below: held exactly as long as the send, whether or
+        // not its caller still waits (found by review: a caller that gave up let a concurrent
+        // call return `Ok` with the slot held, and a parked future kept the lock for good).
+        let one_at_a_time = self.inner.release.calls.clone().lock_owned().await;
+        // Counted before the claim, which wakes `lost()` (as in `Drop`).
+        let work = self.inner.quota.admissions.pending.start();
         if !self.inner.claim_release() {
             return Ok(());
         }
         let inner = self.inner.clone();
-        let work = inner.quota.admissions.pending.start();
         // Sent from leasehold's runtime, so that a caller who stops waiting (a timeout, a
         // `select!`) cannot cancel it half-way: the claim above already keeps the drop from
         // sending it.
         runtime::finish(async move {
             let _work = work;
+            let _one_at_a_time = one_at_a_time;
             let result = inner
                 .quota
                 .release_in_backend(&inner.task_id, Some(inner.token))

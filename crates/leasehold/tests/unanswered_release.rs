@@ -193,3 +193,52 @@ async fn drop_then_flush_after_a_local_deadline() {
         "{left} of 20 leases lost at their local deadline still held after drop + flush"
     );
 }
+
+/// The first `release` is cancelled by its caller (a timeout) while its call is on its way; the
+/// send goes on in the background, and a second `release` through a clone waits for it, so that
+/// its `Ok` means the slot is free (found by review: it returned `Ok` in 29 µs, the slot held).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_release_after_the_first_caller_gave_up_returns_once_the_slot_is_free() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend);
+    let lease = quota.try_acquire("a").await.unwrap();
+    let (a, b) = (lease.clone(), lease.clone());
+    drop(lease);
+    backend.slow_releases(Duration::from_millis(300));
+    let gave_up = tokio::time::timeout(Duration::from_millis(20), a.release()).await;
+    assert!(
+        gave_up.is_err(),
+        "the slow release cannot be answered within 20 ms"
+    );
+    b.release().await.unwrap();
+    let holders = quota.status().await.unwrap().holders.len();
+    assert_eq!(
+        holders, 0,
+        "release() returned Ok while the slot was still held"
+    );
+}
+
+/// A `release` future polled once and then parked (a `select!` that went the other way, kept in
+/// scope) does not keep a clone's `release` waiting once its send is done (found by review: the
+/// second call hung for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_a_parked_release_future_does_not_hang() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend);
+    let lease = quota.try_acquire("a").await.unwrap();
+    let (a, b) = (lease.clone(), lease.clone());
+    drop(lease);
+    backend.slow_releases(Duration::from_millis(50));
+    let first = a.release();
+    tokio::pin!(first);
+    tokio::select! {
+        r = &mut first => r.unwrap(),
+        _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+    }
+    let second = tokio::time::timeout(Duration::from_secs(5), b.release()).await;
+    assert!(
+        second.is_ok(),
+        "release() through a clone hung behind a parked future"
+    );
+    assert_eq!(quota.status().await.unwrap().holders.len(), 0);
+}
