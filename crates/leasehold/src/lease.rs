@@ -66,9 +66,10 @@ pub(crate) struct ReleaseState {
     sent: AtomicBool,
     /// Left to expire on purpose (`abandon`): nobody releases it.
     abandoned: AtomicBool,
-    /// Held by a `Lease::release` call while it claims and sends: a concurrent call of another
-    /// handle of the admission waits for that send's outcome instead of returning `Ok` while
-    /// the slot is still held (found by review), and sends again if it failed.
+    /// Held, on leasehold's runtime, by the task of a `Lease::release` call while it claims and
+    /// sends: a concurrent call of another handle of the admission waits for that send's outcome
+    /// instead of returning `Ok` while the slot is still held (found by review), and sends again
+    /// if it failed.
     calls: Arc<tokio::sync::Mutex<()>>,
 }
 
@@ -486,22 +487,23 @@ impl Lease {
     /// again if it failed). A call whose caller stops waiting (a timeout, a `select!`) leaves its
     /// release to finish in the background, and a concurrent call still waits for it.
     pub async fn release(&self) -> Result<()> {
-        // Owned, and moved into the send below: held exactly as long as the send, whether or
-        // not its caller still waits (found by review: a caller that gave up let a concurrent
-        // call return `Ok` with the slot held, and a parked future kept the lock for good).
-        let one_at_a_time = self.inner.release.calls.clone().lock_owned().await;
-        // Counted before the claim, which wakes `lost()` (as in `Drop`).
+        // Everything below runs on leasehold's runtime, the wait for the lock included: a
+        // caller's future parked while it waits holds no place in the lock's queue, and a caller
+        // that gives up cannot cancel the send half-way (found by review, twice: a caller that
+        // gave up let a concurrent call return `Ok` with the slot held, and a parked future kept
+        // the lock for good). Counted before the spawn, so that a `flush` right after this call
+        // sees it, and before the claim, which wakes `lost()`.
         let work = self.inner.quota.admissions.pending.start();
-        if !self.inner.claim_release() {
-            return Ok(());
-        }
         let inner = self.inner.clone();
-        // Sent from leasehold's runtime, so that a caller who stops waiting (a timeout, a
-        // `select!`) cannot cancel it half-way: the claim above already keeps the drop from
-        // sending it.
         runtime::finish(async move {
             let _work = work;
-            let _one_at_a_time = one_at_a_time;
+            // Declared after `_work`, so dropped before it: if this is the last handle, its drop
+            // (which sends a failed release again) is counted before `_work` goes.
+            let inner = inner;
+            let _one_at_a_time = inner.release.calls.clone().lock_owned().await;
+            if !inner.claim_release() {
+                return Ok(());
+            }
             let result = inner
                 .quota
                 .release_in_backend(&inner.task_id, Some(inner.token))

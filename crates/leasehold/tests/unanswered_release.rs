@@ -242,3 +242,32 @@ async fn a_release_after_a_parked_release_future_does_not_hang() {
     );
     assert_eq!(quota.status().await.unwrap().holders.len(), 0);
 }
+
+/// A `release` future polled once while another clone's release is on its way, then parked
+/// (kept in scope, never polled again): it waits on leasehold's runtime, not in the caller's
+/// future, so a third clone's `release` is not held behind it (found by review: it hung for as
+/// long as the parked future lived).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_release_future_queued_behind_another_does_not_block_later_releases() {
+    let backend = Arc::new(Switchable::default());
+    let quota = quota(&backend);
+    let lease = quota.try_acquire("a").await.unwrap();
+    let (a, b, c) = (lease.clone(), lease.clone(), lease.clone());
+    drop(lease);
+    backend.slow_releases(Duration::from_millis(200));
+    let first = tokio::spawn(async move { a.release().await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let parked = b.release();
+    tokio::pin!(parked);
+    tokio::select! {
+        r = &mut parked => panic!("the second call waits for the first: {r:?}"),
+        _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+    }
+    first.await.unwrap().unwrap();
+    assert_eq!(quota.status().await.unwrap().holders.len(), 0, "slot freed");
+    let third = tokio::time::timeout(Duration::from_secs(3), c.release()).await;
+    assert!(
+        third.is_ok(),
+        "release() through a clone hung behind a parked future queued for the lock"
+    );
+}
