@@ -482,6 +482,11 @@ impl Lease {
     /// returned (and a later `release` may try again). The backend only removes the lease while
     /// it still carries this fencing token, so a late release can never free someone else's slot.
     ///
+    /// From the call on, the lease is no longer held for this process: [`is_held`](Self::is_held)
+    /// says false and [`lost`](Self::lost) resolves ([`LostReason::Released`], unless it was lost
+    /// before). A release that fails leaves it so, and the lease is not renewed: the backend
+    /// frees the slot at its deadline, one ttl at most, unless a later `release` gets through.
+    ///
     /// Calls through several handles of one lease (clones) go one after another: a call made
     /// while another one's release is on its way returns once that one is answered (and sends
     /// again if it failed). A call whose caller stops waiting (a timeout, a `select!`) leaves its
@@ -494,6 +499,10 @@ impl Lease {
         // the lock for good). Counted before the spawn, so that a `flush` right after this call
         // sees it, and before the claim, which wakes `lost()`.
         let work = self.inner.quota.admissions.pending.start();
+        // The holder's view changes now, as the call is made, not when the task gets the lock
+        // (found by review: `is_held()` still said true after a `release()` polled once and
+        // dropped). A loss already told keeps its reason, which the claim below reads.
+        self.inner.mark_lost(LostReason::Released);
         let inner = self.inner.clone();
         runtime::finish(async move {
             let _work = work;

@@ -18,7 +18,7 @@ use crate::keys::{
 };
 use crate::lease::Lease;
 use crate::waiters::WaitQueue;
-use crate::{admissions, heartbeat};
+use crate::{admissions, heartbeat, runtime};
 
 mod attempt;
 mod backend_calls;
@@ -303,20 +303,28 @@ impl Quota {
     /// [`LostReason::Expired`](crate::LostReason::Expired). Returns whether a lease was removed.
     pub async fn force_release(&self, task_id: &str) -> Result<bool> {
         validate_task_id(task_id)?;
-        // In the task's turn, as its acquires are: an acquire of the task under way could
-        // otherwise run after this release in the backend (acquires and releases travel in
-        // separate calls) and be taken for a lease it removed (found by review).
-        let _turn = self.shared.admissions.turns.take(task_id).await;
-        let sent = Instant::now();
-        let removed = self.shared.release_in_backend(task_id, None).await?;
-        // A lease of the task in this process is gone from the backend either way: removed now,
-        // or not there to remove.
-        let reason = match removed {
-            true => LostReason::ReleasedElsewhere,
-            false => LostReason::Expired,
-        };
-        self.shared.end_lease_admitted_before(task_id, sent, reason);
-        Ok(removed)
+        let (shared, task_id) = (self.shared.clone(), task_id.to_owned());
+        // On leasehold's runtime, the wait for the task's turn included: a caller's future
+        // parked while it held the turn (a `select!` that went the other way) blocked every
+        // release and acquire of the task, and `flush`, for as long as it lived (found by
+        // review).
+        runtime::finish(async move {
+            // In the task's turn, as its acquires are: an acquire of the task under way could
+            // otherwise run after this release in the backend (acquires and releases travel in
+            // separate calls) and be taken for a lease it removed (found by review).
+            let _turn = shared.admissions.turns.take(&task_id).await;
+            let sent = Instant::now();
+            let removed = shared.release_in_backend(&task_id, None).await?;
+            // A lease of the task in this process is gone from the backend either way: removed
+            // now, or not there to remove.
+            let reason = match removed {
+                true => LostReason::ReleasedElsewhere,
+                false => LostReason::Expired,
+            };
+            shared.end_lease_admitted_before(&task_id, sent, reason);
+            Ok(removed)
+        })
+        .await
     }
 
     /// The operator's change of the quota's limit, without a deploy: stores `limit` at
