@@ -337,8 +337,11 @@ impl LeaseInner {
 impl Drop for LeaseInner {
     fn drop(&mut self) {
         // Counted before the claim, which wakes `lost()`: a watcher that hears it and flushes
-        // at once must find the release counted (found by review).
-        let work = self.quota.admissions.pending.start();
+        // at once must find the release counted (found by review). Only when a release may be
+        // sent: not for a local lease, nor in the usual drop after `release` (this is the last
+        // handle, so nothing else can send it meanwhile).
+        let work = (!self.local && !self.release.sent.load(Ordering::Acquire))
+            .then(|| self.quota.admissions.pending.start());
         if self.claim_release() {
             let quota = self.quota.clone();
             let task_id = std::mem::take(&mut self.task_id);

@@ -115,6 +115,13 @@ impl QuotaState {
         }
     }
 
+    /// Drops the markers that expired: once per acquire or cancel, not once per lease of a
+    /// renewal, so that an idle quota's markers do not pile up either.
+    fn prune_markers(&mut self, now: u64) {
+        // Redis keeps a key with a TTL up to its expiry millisecond included.
+        self.cancelled.retain(|_, (_, until)| *until >= now);
+    }
+
     fn cancel_reason(&mut self, task_id: &str, now: u64) -> Option<String> {
         // Redis keeps a key with a TTL up to its expiry millisecond included. One lookup: a
         // renewal asks once per lease (a scan of every marker each time cost 0.7 s for 5000
@@ -140,13 +147,15 @@ fn checked_ttl(ttl: Duration) -> Result<u64> {
     }
 }
 
-/// A limit the scripts take (1 to [`MAX_LIMIT`]).
-fn checked_limit(limit: u32) -> Result<()> {
-    match (1..=MAX_LIMIT).contains(&limit) {
-        true => Ok(()),
-        false => {
-            Err(Misconfiguration::Protocol(format!("LEASEHOLD invalid limit: {limit}")).into())
-        }
+/// A limit the scripts take (1 to [`MAX_LIMIT`]), and its version if given (at most
+/// [`MAX_LIMIT_VERSION`]).
+fn checked_limit(limit: u32, version: Option<u64>) -> Result<()> {
+    if !(1..=MAX_LIMIT).contains(&limit) {
+        return Err(Misconfiguration::Protocol(format!("LEASEHOLD invalid limit: {limit}")).into());
+    }
+    match version.filter(|v| *v > MAX_LIMIT_VERSION) {
+        Some(version) => Err(Misconfiguration::InvalidLimitVersion(version).into()),
+        None => Ok(()),
     }
 }
 
@@ -256,10 +265,7 @@ impl Backend for MemoryBackend {
         limit: VersionedLimit,
     ) -> Result<AcquireReply> {
         let ttl_ms = checked_ttl(ttl)?;
-        checked_limit(limit.limit)?;
-        if limit.version > MAX_LIMIT_VERSION {
-            return Err(Misconfiguration::InvalidLimitVersion(limit.version).into());
-        }
+        checked_limit(limit.limit, Some(limit.version))?;
         Ok(self.with_quota(&keys.name, |q, now| {
             let seen = std::mem::take(&mut q.epochs.seen);
             q.epoch_call(&seen, now, ttl_ms);
@@ -269,8 +275,7 @@ impl Backend for MemoryBackend {
             // Reaped before any answer, as the script does once per call: an acquire answered
             // "cancelled" reaps too.
             q.leases.retain(|_, s| s.deadline_ms > now);
-            // Expired markers go once per acquire (not once per lease of a renewal).
-            q.cancelled.retain(|_, (_, until)| *until >= now);
+            q.prune_markers(now);
             if let Some(reason) = q.cancel_reason(task_id, now) {
                 return AcquireReply::Cancelled { reason };
             }
@@ -380,10 +385,7 @@ impl Backend for MemoryBackend {
         limit: u32,
         version: Option<u64>,
     ) -> Result<LimitUpdate> {
-        checked_limit(limit)?;
-        if let Some(version) = version.filter(|v| *v > MAX_LIMIT_VERSION) {
-            return Err(Misconfiguration::InvalidLimitVersion(version).into());
-        }
+        checked_limit(limit, version)?;
         Ok(self.with_quota(&keys.name, |q, _now| {
             let version = match (version, q.limit) {
                 (Some(version), _) => version,
@@ -433,8 +435,7 @@ impl Backend for MemoryBackend {
             // At least 1 ms, as the Redis backend sends it.
             let marker_ms = marker_ttl.as_millis().clamp(1, u128::from(u64::MAX)) as u64;
             let expires = now.saturating_add(marker_ms);
-            // Markers that expired go here, so that an idle quota's do not pile up.
-            q.cancelled.retain(|_, (_, until)| *until >= now);
+            q.prune_markers(now);
             q.cancelled
                 .insert(task_id.to_owned(), (reason.to_owned(), expires));
             self.announce(

@@ -145,33 +145,7 @@ impl Shared {
                 // the turn sees the new handle and leaves the lease to it.
                 let _turn = shared.admissions.turns.take(&id).await;
                 let (reply, sent) = shared.acquire_in_backend(&id).await;
-                // The circuit opened while this attempt was out, and the policy granted the task
-                // a local lease meanwhile: the task keeps that one, and the admission this
-                // attempt got is not adopted. A new one (`acquired`) is this process's alone and
-                // is given back; one it found (`held`: an earlier attempt's whose reply was lost,
-                // or another process's of the same id) is left to its holder or its expiry. A
-                // task of this process never holds a backend lease and a local one (found by
-                // review, twice).
-                let local = match &reply {
-                    Ok(AcquireReply::Acquired(record) | AcquireReply::Held(record)) => {
-                        match shared.local_lease_of(&id).filter(|l| !l.is_over()) {
-                            Some(local) => {
-                                let new = matches!(reply, Ok(AcquireReply::Acquired(_)));
-                                if new {
-                                    if let Err(e) = shared.release_token(&id, record.token).await {
-                                        tracing::warn!(quota = %shared.keys.name, task_id = %id,
-                                            error = %e, "a slot admitted beside the task's \
-                                            local lease was not given back; it expires after \
-                                            its ttl");
-                                    }
-                                }
-                                Some(local)
-                            }
-                            None => None,
-                        }
-                    }
-                    _ => None,
-                };
+                let local = shared.local_lease_over_admission(&id, &reply).await;
                 let admitted = match &reply {
                     _ if local.is_some() => None,
                     Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {

@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::attempt::Attempt;
 use super::listening::SUBSCRIBE_RETRY;
 use super::Shared;
+use crate::backend::AcquireReply;
 use crate::config::BackendDownPolicy;
 use crate::error::{Error, FullCause, Result};
 use crate::lease::{Lease, LeaseInner};
@@ -129,6 +130,31 @@ impl Shared {
                 }
             }
         });
+    }
+
+    /// The task's local lease, when an admission `reply` comes back for a task the policy
+    /// granted one meanwhile (the circuit opened while the attempt was out): the task keeps its
+    /// local lease, and the admission is not adopted. A new one (`acquired`) is this process's
+    /// alone and is given back; one it found (`held`: an earlier attempt's whose reply was lost,
+    /// or another process's of the same id) is left to its holder or its expiry. A task of this
+    /// process never holds a backend lease and a local one (found by review, twice).
+    pub(super) async fn local_lease_over_admission(
+        &self,
+        task_id: &str,
+        reply: &Result<AcquireReply>,
+    ) -> Option<Arc<LeaseInner>> {
+        let Ok(AcquireReply::Acquired(record) | AcquireReply::Held(record)) = reply else {
+            return None;
+        };
+        let local = self.local_lease_of(task_id).filter(|l| !l.is_over())?;
+        if matches!(reply, Ok(AcquireReply::Acquired(_))) {
+            if let Err(e) = self.release_token(task_id, record.token).await {
+                tracing::warn!(quota = %self.keys.name, task_id, error = %e,
+                    "a slot admitted beside the task's local lease was not given back; it \
+                     expires after its ttl");
+            }
+        }
+        Some(local)
     }
 
     /// A local lease was released.
