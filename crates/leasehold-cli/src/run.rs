@@ -379,12 +379,11 @@ impl Job<'_> {
 
     /// True if the command stopped since the last look in a way that stops the whole job.
     fn stopped(&self) -> bool {
-        let handed_over = self.pass_terminal_on();
         let Some(sig) = job::stopped_by(self.pid) else {
+            self.pass_terminal_on();
             return false;
         };
-        if matches!(sig, libc::SIGTTIN | libc::SIGTTOU) && (handed_over || self.pass_terminal_on())
-        {
+        if matches!(sig, libc::SIGTTIN | libc::SIGTTOU) && self.pass_terminal_on() {
             // It stopped on the terminal that `fg` gave us: it has it now, and goes on.
             job::signal_group(self.pid, libc::SIGCONT);
             return false;
