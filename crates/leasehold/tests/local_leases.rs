@@ -9,20 +9,49 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::switchable::Switchable;
-use leasehold::{Backend, BackendDownPolicy, BreakerConfig, LostReason, Quota};
+use leasehold::{
+    Backend, BackendDownPolicy, BreakerConfig, Lease, LostReason, Quota, QuotaBuilder,
+};
 
-fn quota(backend: &Arc<Switchable>, policy: BackendDownPolicy, cool_down: Duration) -> Quota {
-    Quota::builder("local")
-        .limit(2)
-        .ttl(Duration::from_secs(5))
+fn builder(
+    backend: &Arc<Switchable>,
+    policy: BackendDownPolicy,
+    cool_down: Duration,
+) -> QuotaBuilder {
+    common::quota_with(backend.clone(), "local", 2, Duration::from_secs(5))
         .when_backend_down(policy)
         .breaker(BreakerConfig {
             failures_to_open: 1,
             cool_down,
         })
-        .shared_backend(backend.clone() as Arc<dyn Backend>)
-        .build()
+}
+
+fn quota(backend: &Arc<Switchable>, policy: BackendDownPolicy, cool_down: Duration) -> Quota {
+    builder(backend, policy, cool_down).build().unwrap()
+}
+
+/// An acquire of task `x` is out to the backend (admitted there, its answer on its way) when the
+/// circuit opens, and a second acquire of `x` is granted a local lease meanwhile: returns the
+/// first acquire's lease, once answered, and the second's.
+async fn acquired_while_the_circuit_opens(backend: &Arc<Switchable>, q: &Quota) -> (Lease, Lease) {
+    backend.answer_late(Some("x"));
+    let first = {
+        let q = q.clone();
+        tokio::spawn(async move { q.try_acquire("x").await })
+    };
+    backend.decided_late.notified().await; // decided in the backend, answer on its way
+    backend.set_down(true);
+    let _ = q.try_acquire("probe").await; // fails: the circuit opens (its local lease dropped)
+    backend.set_down(false);
+    assert_eq!(q.breaker_mode(), leasehold::BreakerMode::Open);
+    let second = q.try_acquire("x").await.unwrap();
+    assert!(second.is_local());
+    let first = tokio::time::timeout(Duration::from_secs(5), first)
+        .await
+        .expect("the first acquire answered")
         .unwrap()
+        .unwrap();
+    (first, second)
 }
 
 const LONG: Duration = Duration::from_secs(30);
@@ -287,18 +316,14 @@ async fn a_local_lease_of_a_task_cancelled_before_the_outage_hears_it_once_the_b
 #[tokio::test]
 async fn a_local_lease_of_a_quota_without_events_hears_of_its_cancel() {
     let backend = Arc::new(Switchable::default());
-    let q = Quota::builder("local-no-events")
-        .limit(2)
-        .ttl(Duration::from_secs(5))
-        .events(false)
-        .when_backend_down(BackendDownPolicy::FailOpen)
-        .breaker(BreakerConfig {
-            failures_to_open: 1,
-            cool_down: Duration::from_millis(50),
-        })
-        .shared_backend(backend.clone() as Arc<dyn Backend>)
-        .build()
-        .unwrap();
+    let q = builder(
+        &backend,
+        BackendDownPolicy::FailOpen,
+        Duration::from_millis(50),
+    )
+    .events(false)
+    .build()
+    .unwrap();
     backend.set_down(true);
     let local = q.try_acquire("a").await.unwrap();
     assert!(local.is_local());
@@ -318,23 +343,7 @@ async fn a_local_lease_of_a_quota_without_events_hears_of_its_cancel() {
 async fn a_task_with_an_attempt_in_flight_takes_one_slot_not_a_local_one_too() {
     let backend = Arc::new(Switchable::default());
     let q = quota(&backend, BackendDownPolicy::DegradeLocal { share: 1 }, LONG);
-    backend.answer_late(Some("x"));
-    let first = {
-        let q = q.clone();
-        tokio::spawn(async move { q.try_acquire("x").await })
-    };
-    backend.decided_late.notified().await; // admitted in the backend, answer on its way
-    backend.set_down(true);
-    let _ = q.try_acquire("probe").await; // fails: the circuit opens (its local lease dropped)
-    backend.set_down(false);
-    assert_eq!(q.breaker_mode(), leasehold::BreakerMode::Open);
-    let second = q.try_acquire("x").await.unwrap();
-    assert!(second.is_local());
-    let first = tokio::time::timeout(Duration::from_secs(5), first)
-        .await
-        .expect("the first acquire answered")
-        .unwrap()
-        .unwrap();
+    let (first, second) = acquired_while_the_circuit_opens(&backend, &q).await;
     assert!(first.is_local(), "token {}", first.fencing_token());
     assert_eq!(first.fencing_token(), second.fencing_token());
     assert_eq!(q.local_leases(), 1);
@@ -370,23 +379,7 @@ async fn a_held_reply_for_a_task_granted_a_local_lease_meanwhile_takes_one_slot(
         )
         .await
         .unwrap();
-    backend.answer_late(Some("x"));
-    let first = {
-        let q = q.clone();
-        tokio::spawn(async move { q.try_acquire("x").await })
-    };
-    backend.decided_late.notified().await; // answered `held`, answer on its way
-    backend.set_down(true);
-    let _ = q.try_acquire("probe").await; // the circuit opens
-    backend.set_down(false);
-    assert_eq!(q.breaker_mode(), leasehold::BreakerMode::Open);
-    let second = q.try_acquire("x").await.unwrap();
-    assert!(second.is_local());
-    let first = tokio::time::timeout(Duration::from_secs(5), first)
-        .await
-        .expect("the first acquire answered")
-        .unwrap()
-        .unwrap();
+    let (first, second) = acquired_while_the_circuit_opens(&backend, &q).await;
     let in_backend = backend.inner.snapshot(&keys).await.unwrap().holders;
     println!(
         "first: local={} token={} held={}; second: local={} held={}; local_leases={}; backend holders={:?}",

@@ -58,13 +58,8 @@ fn the_documented_sha1s_are_those_of_the_scripts_the_library_sends() {
 async fn the_scripts_the_library_loads_are_the_documented_ones() {
     let server = RedisServer::start();
     server.command(&["SCRIPT", "FLUSH"]);
-    let quota = leasehold::Quota::builder("doc")
-        .limit(1)
-        .backend(
-            leasehold::RedisBackend::connect(&server.url())
-                .await
-                .unwrap(),
-        )
+    let backend = common::connect(&server.url()).await;
+    let quota = common::quota_with(backend, "doc", 1, std::time::Duration::from_secs(10))
         .build()
         .unwrap();
     let lease = quota.try_acquire("t").await.unwrap();

@@ -2294,23 +2294,17 @@ async fn timeouts_out_of_range_are_misconfiguration_not_a_panic() {
             connect_timeout,
             ..leasehold::RedisOptions::default()
         };
-        let lazy = RedisBackend::connect_lazy("redis://127.0.0.1:1/", options.clone()).await;
-        assert!(
-            matches!(
-                lazy,
-                Err(Error::Misconfigured(Misconfiguration::InvalidTiming(_)))
-            ),
-            "{call_timeout:?} / {connect_timeout:?}: {:?}",
-            lazy.map(drop)
-        );
-        let eager = RedisBackend::connect_with("redis://127.0.0.1:1/", options).await;
-        assert!(
-            matches!(
-                eager,
-                Err(Error::Misconfigured(Misconfiguration::InvalidTiming(_)))
-            ),
-            "{call_timeout:?} / {connect_timeout:?}: {:?}",
-            eager.map(drop)
-        );
+        let url = "redis://127.0.0.1:1/";
+        let lazy = RedisBackend::connect_lazy(url, options.clone()).await;
+        let eager = RedisBackend::connect_with(url, options).await;
+        for (how, result) in [("lazy", lazy.map(drop)), ("eager", eager.map(drop))] {
+            assert!(
+                matches!(
+                    result,
+                    Err(Error::Misconfigured(Misconfiguration::InvalidTiming(_)))
+                ),
+                "{how}, {call_timeout:?} / {connect_timeout:?}: {result:?}"
+            );
+        }
     }
 }

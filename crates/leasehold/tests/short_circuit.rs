@@ -215,16 +215,7 @@ async fn first_acquires_on_a_silent_link_do_not_queue_behind_subscribes() {
 async fn a_busy_workers_local_lease_hears_a_cancel_sent_during_a_partition() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());
-    let backend = leasehold::RedisBackend::connect_with(
-        &proxy.url(),
-        leasehold::RedisOptions {
-            call_timeout: Duration::from_millis(300),
-            connect_timeout: Duration::from_millis(300),
-            ..leasehold::RedisOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let backend = common::proxied::connect_through(&proxy, Duration::from_millis(300)).await;
     let quota = Quota::builder("busy")
         .limit(2)
         .ttl(Duration::from_secs(1))
@@ -258,16 +249,14 @@ async fn a_busy_workers_local_lease_hears_a_cancel_sent_during_a_partition() {
     }
     let lease = quota.try_acquire("job").await.unwrap();
     assert!(lease.is_local());
-    let operator = Quota::builder("busy")
-        .limit(2)
-        .ttl(Duration::from_secs(1))
-        .backend(
-            leasehold::RedisBackend::connect(&server.url())
-                .await
-                .unwrap(),
-        )
-        .build()
-        .unwrap();
+    let operator = common::quota_with(
+        common::connect(&server.url()).await,
+        "busy",
+        2,
+        Duration::from_secs(1),
+    )
+    .build()
+    .unwrap();
     operator.cancel("job", "operator stop").await.unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
     proxy.partition(false);
