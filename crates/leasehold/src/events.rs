@@ -18,16 +18,10 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        // Counted for `Quota::flush`, and dropped after the leases looked up below: a holder
-        // told `lost` here may drop its lease and flush at once, and then this task's handle is
-        // the last, whose drop sends the release (found by review: `flush` returned before it).
-        let _work = shared.admissions.pending.start();
         match event {
             Ok(QuotaEvent::Released { task_id, token }) => {
-                if let Some(lease) = shared.lease(&task_id) {
-                    if lease.token == token {
-                        lease.mark_lost(LostReason::ReleasedElsewhere);
-                    }
+                if let Some(lease) = shared.lease(&task_id).filter(|l| l.token == token) {
+                    shared.tell_lost(lease, LostReason::ReleasedElsewhere);
                 }
                 shared.slot_freed();
             }
@@ -36,7 +30,7 @@ pub(crate) async fn listen(shared: Weak<Shared>, mut events: broadcast::Receiver
                 // subscription is made again) is its only way to learn.
                 let held = [shared.lease(&task_id), shared.local_lease_of(&task_id)];
                 for lease in held.into_iter().flatten() {
-                    lease.mark_lost(LostReason::Cancelled(reason.clone()));
+                    shared.tell_lost(lease, LostReason::Cancelled(reason.clone()));
                 }
                 // A waiter for that task must learn it too: its next attempt says so.
                 shared.recheck_task(&task_id);

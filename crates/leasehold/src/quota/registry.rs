@@ -28,8 +28,18 @@ impl Shared {
         reason: LostReason,
     ) {
         if let Some(lease) = self.lease(task_id).filter(|l| l.admitted_before(sent)) {
-            lease.mark_lost(reason);
+            self.tell_lost(lease, reason);
         }
+    }
+
+    /// Tells `lease`, looked up by a background task, that it is lost, counted as work for
+    /// `Quota::flush` until this handle is dropped: a holder told here may drop its lease and
+    /// flush at once, and then this handle is the last, whose drop sends the release (found by
+    /// review: `flush` returned before it).
+    pub(crate) fn tell_lost(&self, lease: Arc<LeaseInner>, reason: LostReason) {
+        let _work = self.admissions.pending.start();
+        lease.mark_lost(reason);
+        drop(lease);
     }
 
     /// The live lease the backend-down policy granted `task_id` in this process, if any.
