@@ -145,11 +145,17 @@ impl Shared {
                 // the turn sees the new handle and leaves the lease to it.
                 let _turn = shared.admissions.turns.take(&id).await;
                 let (reply, sent) = shared.acquire_in_backend(&id).await;
-                let local = shared.local_lease_over_admission(&id, &reply).await;
+                let mut local = None;
                 let admitted = match &reply {
-                    _ if local.is_some() => None,
-                    Ok(AcquireReply::Acquired(record)) | Ok(AcquireReply::Held(record)) => {
-                        Some(shared.adopt(record, sent))
+                    Ok(found @ (AcquireReply::Acquired(record) | AcquireReply::Held(record))) => {
+                        match shared.adopt_unless_local(record, sent) {
+                            Ok(lease) => Some(lease),
+                            Err(kept) => {
+                                shared.give_back_beside_local(found).await;
+                                local = Some(kept);
+                                None
+                            }
+                        }
                     }
                     // Not a limit mismatch: it is answered before the quarantine, so a lease
                     // that a loss of the backend's state dropped and its next renewal

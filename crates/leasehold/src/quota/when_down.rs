@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::attempt::Attempt;
 use super::listening::SUBSCRIBE_RETRY;
 use super::Shared;
-use crate::backend::AcquireReply;
+use crate::backend::{AcquireReply, LeaseRecord};
 use crate::config::BackendDownPolicy;
 use crate::error::{Error, FullCause, Result};
 use crate::lease::{Lease, LeaseInner};
@@ -38,10 +38,16 @@ impl Shared {
     pub(super) fn grant_locally(self: &Arc<Self>, task_id: &str, share: u32) -> Attempt {
         // Declared before the lock so that it drops after it: the drop of a lease that is over
         // may come back to this map (`forget`).
-        let found: Option<Arc<LeaseInner>>;
+        let (found, in_backend): (Option<Arc<LeaseInner>>, Option<Arc<LeaseInner>>);
         let mut local = self.admissions.local();
         found = local.get(task_id).and_then(Weak::upgrade);
         if let Some(held) = found.as_ref().filter(|l| !l.is_over()) {
+            return Attempt::AlreadyHeld(Lease::from_inner(held.clone()));
+        }
+        // A backend lease adopted since the caller looked (`when_down`): looked for again under
+        // this lock, which `adopt_unless_local` holds while it adopts.
+        in_backend = self.lease(task_id);
+        if let Some(held) = in_backend.as_ref().filter(|l| !l.is_over()) {
             return Attempt::AlreadyHeld(Lease::from_inner(held.clone()));
         }
         let took = self
@@ -132,29 +138,47 @@ impl Shared {
         });
     }
 
-    /// The task's local lease, when an admission `reply` comes back for a task the policy
-    /// granted one meanwhile (the circuit opened while the attempt was out): the task keeps its
-    /// local lease, and the admission is not adopted. A new one (`acquired`) is this process's
-    /// alone and is given back; one it found (`held`: an earlier attempt's whose reply was lost,
-    /// or another process's of the same id) is left to its holder or its expiry. A task of this
-    /// process never holds a backend lease and a local one (found by review, twice).
-    pub(super) async fn local_lease_over_admission(
-        &self,
-        task_id: &str,
-        reply: &Result<AcquireReply>,
-    ) -> Option<Arc<LeaseInner>> {
-        let Ok(AcquireReply::Acquired(record) | AcquireReply::Held(record)) = reply else {
-            return None;
-        };
-        let local = self.local_lease_of(task_id).filter(|l| !l.is_over())?;
-        if matches!(reply, Ok(AcquireReply::Acquired(_))) {
-            if let Err(e) = self.release_token(task_id, record.token).await {
-                tracing::warn!(quota = %self.keys.name, task_id, error = %e,
-                    "a slot admitted beside the task's local lease was not given back; it \
-                     expires after its ttl");
-            }
+    /// Adopts an admission the backend reported for `record`'s task, unless the policy granted
+    /// the task a local lease meanwhile (the circuit opened while the attempt was out): then the
+    /// task keeps its local lease, returned as `Err`, and the admission is not adopted. A task of
+    /// this process never holds a backend lease and a local one (found by review, three times).
+    ///
+    /// Decided under the local leases' lock, under which [`grant_locally`](Self::grant_locally)
+    /// also looks for the task's backend lease: of an adoption and a grant that race, the later
+    /// sees the earlier (a look at the local leases before the adoption, and a grant between the
+    /// two, took two slots).
+    pub(super) fn adopt_unless_local(
+        self: &Arc<Self>,
+        record: &LeaseRecord,
+        sent: Instant,
+    ) -> std::result::Result<Lease, Arc<LeaseInner>> {
+        // Declared before the lock so that it drops after it: the drop of a local lease that is
+        // over comes back to this map (`forget`).
+        let found: Option<Arc<LeaseInner>>;
+        let local = self.admissions.local();
+        found = local.get(&record.task_id).and_then(Weak::upgrade);
+        if let Some(held) = found.as_ref().filter(|l| !l.is_over()) {
+            return Err(held.clone());
         }
-        Some(local)
+        // Lock order: the local leases, then the registry (`adopt`), as in `grant_locally`.
+        let adopted = self.adopt(record, sent);
+        drop(local);
+        Ok(adopted)
+    }
+
+    /// Gives back a new admission (`acquired`) of a task that keeps its local lease instead
+    /// ([`adopt_unless_local`](Self::adopt_unless_local)): it is this process's alone. One the
+    /// backend found (`held`: an earlier attempt's whose reply was lost, or another process's of
+    /// the same id) is left to its holder or its expiry.
+    pub(super) async fn give_back_beside_local(&self, reply: &AcquireReply) {
+        let AcquireReply::Acquired(record) = reply else {
+            return;
+        };
+        if let Err(e) = self.release_token(&record.task_id, record.token).await {
+            tracing::warn!(quota = %self.keys.name, task_id = %record.task_id, error = %e,
+                "a slot admitted beside the task's local lease was not given back; it \
+                 expires after its ttl");
+        }
     }
 
     /// A local lease was released.
