@@ -45,16 +45,47 @@ pub use guards::{Reaped, SpawnReaped, TempDir};
 pub use resp::Reply;
 pub use server::{RedisServer, REDIS_SERVER_ENV};
 
-/// A TCP port on 127.0.0.1 that was free when asked (bind to port 0, read
-/// the port, close).
+/// A TCP port on 127.0.0.1 that was free when asked, below the kernel's ephemeral range where
+/// that range leaves room (ports 10000 and up).
 ///
-/// Another process may take it before it is used; [`RedisServer::start`]
-/// copes with that by retrying.
+/// Not an ephemeral port: those are the source ports of outgoing connections, so while a server
+/// picked one and is down for [`RedisServer::restart`], any connection made meanwhile (the
+/// client under test reconnecting, another test) may take it, and the restart then fails.
+/// Another process may still take the port before it is used; [`RedisServer::start`] copes with
+/// that by retrying.
 pub fn free_port() -> u16 {
+    const LOWEST: u16 = 10_000;
+    let below = ephemeral_ports_start().unwrap_or(32_768);
+    if below > LOWEST + 1_000 {
+        let span = u64::from(below - LOWEST);
+        for _ in 0..100 {
+            let port = LOWEST + (random() % span) as u16;
+            if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+                return port;
+            }
+        }
+    }
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
         .unwrap_or_else(|e| panic!("could not bind 127.0.0.1:0 to find a free port: {e}"))
+}
+
+/// The first port of the kernel's ephemeral range (`net.ipv4.ip_local_port_range`), if readable.
+fn ephemeral_ports_start() -> Option<u16> {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    range.split_whitespace().next()?.parse().ok()
+}
+
+/// A random number, different in each call and each process (no crate needed for a port pick).
+fn random() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(CALLS.fetch_add(1, Ordering::Relaxed));
+    hasher.write_u32(std::process::id());
+    hasher.write_u128(monotonic_ns());
+    hasher.finish()
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: unlike `Instant`, comparable across the processes of one
@@ -94,9 +125,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn free_port_is_nonzero() {
-        let port = free_port();
-        assert_ne!(port, 0);
+    fn free_ports_are_bindable_and_outside_the_ephemeral_range() {
+        let start = ephemeral_ports_start().unwrap_or(32_768);
+        for _ in 0..20 {
+            let port = free_port();
+            assert!(port >= 10_000, "port {port}");
+            if start > 11_000 {
+                assert!(
+                    port < start,
+                    "port {port} is in the ephemeral range from {start}"
+                );
+            }
+            TcpListener::bind((Ipv4Addr::LOCALHOST, port)).expect("the port is free");
+        }
     }
 
     #[test]
