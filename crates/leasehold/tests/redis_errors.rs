@@ -204,3 +204,76 @@ async fn an_unknown_command_is_misconfiguration_not_an_outage() {
         "an unknown command stays unknown: {err:?}"
     );
 }
+
+/// Writes `task_id`'s cancel marker of quota `name` with the reason `lua_expr`, a Lua expression,
+/// so that it may hold bytes that are not UTF-8 (the scripts store whatever a client sends).
+fn write_marker(server: &RedisServer, name: &str, task_id: &str, lua_expr: &str) {
+    let keys = QuotaKeys::new(name).unwrap();
+    let script = format!("redis.call('SET', KEYS[1], {lua_expr}, 'PX', 600000) return 1");
+    let reply = server.command(&["EVAL", &script, "1", &keys.cancel(task_id)]);
+    assert_eq!(reply.as_int(), Some(1), "{reply:?}");
+}
+
+/// A cancel reason that is not UTF-8 is a reason like any other, read lossily as the scripts'
+/// replies are. It was read through redis-rs's conversion to `String`, whose failure is a
+/// `Parse` error: reported as a broken connection (`NoReply`), and the connection rebuilt.
+#[tokio::test]
+async fn a_cancel_reason_that_is_not_utf8_is_read_not_taken_for_an_outage() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let quota = leasehold::Quota::builder("marker")
+        .limit(1)
+        .backend(backend.clone())
+        .build()
+        .unwrap();
+    write_marker(&server, "marker", "t", "'stop ' .. string.char(255)");
+    let rebuilds_before = backend.connection_rebuilds();
+    let read = quota.cancel_reason("t").await;
+    assert_eq!(read.unwrap().as_deref(), Some("stop \u{fffd}"));
+    // The acquire path reads the same marker alike.
+    match quota.try_acquire("t").await {
+        Err(Error::Cancelled(reason)) => assert_eq!(reason, "stop \u{fffd}"),
+        other => panic!("expected cancelled, got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        backend.connection_rebuilds(),
+        rebuilds_before,
+        "an answered GET made the backend replace its connection"
+    );
+}
+
+/// The same marker over a local lease (granted while Redis was down): its watcher's reads of the
+/// marker failed as outages, so the short-circuit opened again and again while Redis was healthy
+/// (and the policy then admitted past the limit), and the lease never heard of its cancel.
+#[tokio::test]
+async fn a_local_lease_hears_a_cancel_reason_that_is_not_utf8() {
+    let mut server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let quota = leasehold::Quota::builder("local")
+        .limit(1)
+        .ttl(Duration::from_secs(2))
+        .when_backend_down(leasehold::BackendDownPolicy::FailOpen)
+        .backend(backend)
+        .build()
+        .unwrap();
+    server.kill();
+    let lease = quota.try_acquire("t").await.unwrap();
+    assert!(lease.is_local());
+    server.restart();
+    write_marker(&server, "local", "t", "'stop ' .. string.char(255)");
+    let heard = tokio::time::timeout(Duration::from_secs(8), lease.lost()).await;
+    assert_eq!(
+        heard.map(|r| r.to_string()).ok(),
+        Some(leasehold::LostReason::Cancelled("stop \u{fffd}".into()).to_string()),
+        "the cancelled local lease was never told"
+    );
+    assert_eq!(quota.breaker_mode(), leasehold::BreakerMode::Closed);
+    // Redis answers: the quota's limit holds again, no local grant.
+    let u = quota.try_acquire("u").await.unwrap();
+    assert!(!u.is_local());
+    assert!(matches!(
+        quota.try_acquire("v").await,
+        Err(Error::Full { .. })
+    ));
+}

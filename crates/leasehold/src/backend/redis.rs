@@ -685,13 +685,20 @@ impl Backend for RedisBackend {
         let (this, name, key) = (self.clone(), keys.name.clone(), keys.cancel(task_id));
         runtime::run(async move {
             let key = &key;
-            this.on_link(&name, |mut conn| async move {
-                redis::cmd("GET")
-                    .arg(key)
-                    .query_async::<Option<String>>(&mut conn)
-                    .await
-            })
-            .await
+            // Bytes, read as the acquire and renew scripts' replies are: a reason that is not
+            // UTF-8 (any client may write one) failed redis-rs's conversion as a `Parse` error,
+            // which reads as a broken stream: the call reported an outage and rebuilt the
+            // connection, and a local lease's watcher kept the short-circuit open for as long
+            // as the marker lived (found by review).
+            let reason = this
+                .on_link(&name, |mut conn| async move {
+                    redis::cmd("GET")
+                        .arg(key)
+                        .query_async::<Option<Vec<u8>>>(&mut conn)
+                        .await
+                })
+                .await?;
+            Ok(reason.map(|bytes| String::from_utf8_lossy(&bytes).into_owned()))
         })
         .await
     }
