@@ -708,6 +708,39 @@ async fn a_least_privilege_acl_user_can_do_everything_and_nothing_more() {
     );
 }
 
+/// A URL that names a user and no password (`redis://lh@host/`) runs as that user, not as
+/// `default` (redis-rs sent no `AUTH` without a password: found by review). A `nopass` user is
+/// let in; one with a password is refused as misconfigured.
+#[tokio::test]
+async fn a_url_with_a_user_and_no_password_runs_as_that_user() {
+    let server = RedisServer::start();
+    least_privilege_user(&server);
+    server.command(&["ACL", "SETUSER", "lh", "nopass"]);
+    // `default` may touch nothing of leasehold's: an admission proves who ran it.
+    server.command(&["ACL", "SETUSER", "default", "resetkeys", "~other:*"]);
+    let url = format!("redis://lh@127.0.0.1:{}/", server.port());
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let quota = Quota::builder("allowed")
+        .limit(1)
+        .backend(backend)
+        .build()
+        .unwrap();
+    quota
+        .try_acquire("a")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+
+    server.command(&["ACL", "SETUSER", "lh", "resetpass", ">lh-pw"]);
+    let refused = RedisBackend::connect(&url).await.unwrap_err();
+    assert!(
+        matches!(refused, Error::Misconfigured(Misconfiguration::Auth(_))),
+        "{refused:?}"
+    );
+}
+
 /// The same user after the fence counter alone was lost while a lease lives: the admission reads
 /// the live tokens (`HVALS`, PROTOCOL.md §5.2 step 8) and goes on above them. Without that rule a
 /// script's ACL refusal, which Redis words without the NOPERM code, is still `NoPermission`.

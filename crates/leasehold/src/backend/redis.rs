@@ -200,7 +200,8 @@ impl std::fmt::Debug for RedisBackend {
 
 impl RedisBackend {
     /// Connects to `url` (`redis://[user:password@]host:port[/db]` or `rediss://...`) with the
-    /// default options.
+    /// default options. A URL that names a user without a password (`redis://worker@host/`)
+    /// authenticates as that user with an empty password, which a `nopass` ACL user accepts.
     pub async fn connect(url: &str) -> Result<Self> {
         Self::connect_with(url, RedisOptions::default()).await
     }
@@ -832,6 +833,14 @@ fn client_for(url: &str, options: &RedisOptions) -> Result<(redis::Client, i64)>
         .redis_settings()
         .clone()
         .set_protocol(ProtocolVersion::RESP3);
+    // redis-rs authenticates only when the URL has a password: `redis://worker@host/` ran as the
+    // `default` user, with its rights instead of the worker's (found by review). An empty
+    // password authenticates as the user named, which a `nopass` ACL user accepts and any other
+    // refuses (`Misconfigured(Auth)`).
+    let settings = match (settings.username(), settings.password()) {
+        (Some(_), None) => settings.set_password(""),
+        _ => settings,
+    };
     let info = info
         .set_redis_settings(settings)
         .set_tcp_settings(tcp_settings(options.call_timeout));
