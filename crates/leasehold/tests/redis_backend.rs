@@ -2027,6 +2027,47 @@ async fn dropped_quotas_do_not_stay_subscribed() {
     );
 }
 
+/// A channel let go while the link is down is let go once it is back: its UNSUBSCRIBE got no
+/// answer, and redis-rs subscribes it again at the reconnect. It stayed subscribed for the
+/// backend's whole life (found by review): nothing asked again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_let_go_during_an_outage_is_unsubscribed_once_the_link_is_back() {
+    let mut server = RedisServer::start();
+    let backend = std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
+    let quota = |name: &str| {
+        Quota::builder(name)
+            .limit(1)
+            .ttl(Duration::from_secs(5))
+            .shared_backend(backend.clone())
+            .build()
+            .unwrap()
+    };
+    let a_channel = "leasehold:{tenant-a}:events";
+    let a = quota("tenant-a");
+    common::warm_up(&a).await;
+    let a_subscribed = || common::subscribers(&server, a_channel) == 1;
+    assert!(common::eventually(Duration::from_secs(2), a_subscribed).await);
+    drop(a);
+    server.kill();
+    // B's acquire fails (the server is down) and subscribes in the background: that subscribe
+    // lets A's channel go, and its UNSUBSCRIBE gets no answer.
+    let b = quota("tenant-b");
+    assert!(b.try_acquire("x").await.is_err());
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    server.restart();
+    common::warm_up(&b).await;
+    let b_channel = "leasehold:{tenant-b}:events";
+    let b_subscribed = || common::subscribers(&server, b_channel) == 1;
+    assert!(common::eventually(Duration::from_secs(5), b_subscribed).await);
+    // Let go within a keep-alive or two of the link coming back, with no other quota's help.
+    let a_gone = || common::subscribers(&server, a_channel) == 0;
+    assert!(
+        common::eventually(Duration::from_secs(5), a_gone).await,
+        "the channel of a quota dropped before the outage is still subscribed"
+    );
+    assert_eq!(common::subscribers(&server, b_channel), 1);
+}
+
 /// A backend dropped during an outage stops trying to reach the server: redis-rs makes two
 /// connection attempts when the link drops (`new_manager`), and the keep-alive that reconnects a
 /// live backend's subscriptions ends with it, so nothing of it connects to the old address

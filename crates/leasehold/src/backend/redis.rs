@@ -15,7 +15,7 @@
 //! transient and misconfiguration, `connection` builds, replaces and watches the connection,
 //! `resubscription` finds the channels redis-rs failed to subscribe again after a reconnect.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
@@ -122,6 +122,10 @@ struct Inner {
     db: i64,
     /// Held by the subscribe in progress, and by a rebuild while it resubscribes.
     subscribing: tokio::sync::Mutex<()>,
+    /// Channels let go whose UNSUBSCRIBE got no answer (the link was down): redis-rs still
+    /// subscribes them again at each reconnect, so they are asked again until one is answered.
+    /// Changed under `subscribing`.
+    unsubscribes_owed: Mutex<BTreeSet<String>>,
     /// Quota name -> the latest epoch any reply reported, the highest seq seen in it, and the
     /// highest fencing token seen: what acquire sends, so the server can tell that it lost the
     /// quota's state, all of it or its latest writes, and issue tokens above the lost ones
@@ -161,6 +165,12 @@ impl Inner {
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<String, broadcast::Sender<QuotaEvent>>> {
         self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn unsubscribes_owed(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        self.unsubscribes_owed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     fn resubscriptions(&self) -> std::sync::MutexGuard<'_, Resubscriptions> {
@@ -333,6 +343,7 @@ impl RedisBackend {
             resubscriptions: Mutex::new(Resubscriptions::default()),
             db,
             subscribing: tokio::sync::Mutex::new(()),
+            unsubscribes_owed: Mutex::new(BTreeSet::new()),
             epochs: Mutex::new(HashMap::new()),
             acquires: Mutex::new(HashMap::new()),
             releases: Mutex::new(HashMap::new()),
@@ -388,29 +399,45 @@ impl RedisBackend {
         }
     }
 
-    /// Unsubscribes the connection from `channels`, best effort: a failure leaves them
-    /// subscribed, and their messages unrouted. Call it under the subscribe lock.
-    async fn unsubscribe_quietly(&self, channels: &[String]) {
-        if channels.is_empty() {
+    /// Unsubscribes the connection from `channels`, and from those an earlier call could not
+    /// let go. A call that gets no answer leaves them owed, asked again at the next subscribe or
+    /// keep-alive (found by review: a channel let go while the link was down stayed subscribed,
+    /// and resubscribed at every reconnect, for the backend's whole life). Call it under the
+    /// subscribe lock.
+    pub(super) async fn unsubscribe_quietly(&self, channels: &[String]) {
+        let asked: Vec<String> = {
+            let mut owed = self.inner.unsubscribes_owed();
+            owed.extend(channels.iter().cloned());
+            owed.iter().cloned().collect()
+        };
+        if asked.is_empty() {
             return;
         }
+        let list = &asked;
         let result = self
-            .on_link(
-                "",
-                |mut conn| async move { conn.unsubscribe(channels).await },
-            )
+            .on_link("", |mut conn| async move { conn.unsubscribe(list).await })
             .await;
-        match result {
-            // An ACL without UNSUBSCRIBE: subscriptions pile up for as long as the process
-            // lives (the channels of every quota it ever used), which the operator should hear
-            // of.
-            Err(e @ Error::Misconfigured(_)) => tracing::warn!(
-                channels = channels.len(),
+        match &result {
+            Err(Error::BackendUnavailable { .. }) => {
+                tracing::debug!(
+                    channels = asked.len(),
+                    "unsubscribe got no answer; asked again later"
+                );
+                return;
+            }
+            // An ACL without UNSUBSCRIBE: no retry can help, and subscriptions pile up for as
+            // long as the process lives (the channels of every quota it ever used), which the
+            // operator should hear of.
+            Err(e) => tracing::warn!(
+                channels = asked.len(),
                 error = %e,
                 "cannot unsubscribe from channels no quota listens to"
             ),
-            Err(e) => tracing::debug!(error = %e, "unsubscribe failed"),
             Ok(()) => {}
+        }
+        let mut owed = self.inner.unsubscribes_owed();
+        for name in &asked {
+            owed.remove(name);
         }
     }
 
@@ -769,6 +796,8 @@ impl Backend for RedisBackend {
             if let Some(sender) = this.inner.channels().get(&channel) {
                 return Ok(sender.subscribe());
             }
+            // Listened to again: no longer to be let go.
+            this.inner.unsubscribes_owed().remove(&channel);
             // Channels nobody listens to any more (every handle of their quota was dropped) are
             // let go now, so per-tenant quotas that come and go do not pile up subscriptions
             // (and resubscriptions after each reconnect) for the backend's whole life.

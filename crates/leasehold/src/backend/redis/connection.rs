@@ -180,6 +180,14 @@ pub(super) async fn keep_subscriptions_alive(inner: Weak<Inner>) {
             return;
         };
         forget_unconfirmed_resubscriptions(&inner).await;
+        let owed = !inner.unsubscribes_owed().is_empty();
+        if owed {
+            let _one_at_a_time = inner.subscribing.lock().await;
+            let backend = RedisBackend {
+                inner: inner.clone(),
+            };
+            backend.unsubscribe_quietly(&[]).await;
+        }
         let recently = Instant::now().checked_sub(KEEP_ALIVE);
         if inner.channels().is_empty() || recently.is_some_and(|at| inner.link.answered_since(at)) {
             continue;
