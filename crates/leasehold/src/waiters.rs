@@ -1,11 +1,11 @@
 //! The queue of tasks in this process that wait for a slot of one quota.
 //!
 //! Waiters are served in arrival order: a wake-up (a release announced on the quota's channel)
-//! goes to the earliest waiter that is not already attempting on a wake-up, so when one slot
+//! goes to the earliest waiter that is not already attempting for a freed slot, so when one slot
 //! frees, the oldest waiter tries first; when several free, several try at once. A waiter whose
-//! own attempt (its first, a poll, its expiry timer) is out keeps the wake-up and tries again at
-//! once if that attempt is refused: it was sent before the slot freed, and a younger waiter must
-//! not take the slot meanwhile. Only the head of the queue arms a timer to the earliest lease
+//! own attempt (its first, a poll, its expiry timer) or re-check is out keeps the wake-up and
+//! tries again at once if that attempt is refused: it was sent before the slot freed, and a
+//! younger waiter must not take the slot meanwhile. Only the head of the queue arms a timer to the earliest lease
 //! deadline, so an expiry (which nobody announces) costs one attempt per process, not one per
 //! waiter.
 
@@ -242,6 +242,19 @@ impl WaitQueue {
         }
     }
 
+    /// `task_id` now holds a lease in this process: its waiters idle in line try again, and
+    /// come back `held`, instead of at their next poll (found by review: a second `acquire` of
+    /// a task waited a whole poll for the lease its task had). One out on an attempt hears it
+    /// from that attempt.
+    pub(crate) fn task_admitted(&self, task_id: &str) {
+        for w in self.lock().iter().filter(|w| w.task_id == task_id) {
+            let idle = w.state().doing == Doing::Waiting;
+            if idle {
+                w.ask(Asked::Recheck);
+            }
+        }
+    }
+
     fn promote_head(&self) {
         if let Some(head) = self.lock().front() {
             // The new head must arm the expiry timer: wake it without asking for an attempt.
@@ -289,12 +302,15 @@ impl Waiter {
     }
 }
 
-/// The earliest waiter not already asked to attempt and not attempting for an earlier wake-up:
-/// idle, or out on an attempt of its own.
+/// The earliest waiter not already asked to attempt and not attempting for an earlier freed
+/// slot: idle, or out on an attempt of its own or on a re-check. Such an attempt was sent maybe
+/// before the slot freed, so the slot is kept for that waiter, which tries again at once if it
+/// is refused (found by review: a slot freed during an older waiter's re-check went to a younger
+/// waiter).
 fn next_in_line(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
     queue.iter().find(|w| {
         let state = w.state();
-        state.asked_nothing() && !matches!(state.doing, Doing::WokenAttempt(_))
+        state.asked_nothing() && state.doing != Doing::WokenAttempt(Asked::FreedSlot)
     })
 }
 

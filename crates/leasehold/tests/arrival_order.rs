@@ -196,3 +196,53 @@ async fn a_waiter_dropped_during_its_woken_attempt_passes_the_freed_slot_on() {
     );
     assert_eq!(lease.task_id(), "next");
 }
+
+/// A slot freed while an older waiter's re-check (here: the one made once the subscription is in
+/// place) is out goes to that waiter, as one freed during its own attempt does, not to a younger
+/// waiter (found by review: the younger one took it in 5 runs of 5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_freed_during_an_older_waiters_re_check_stays_its() {
+    let backend = Arc::new(Switchable::default());
+    let name = common::unique("recheck-order");
+    let ttl = Duration::from_secs(30);
+    let holders = common::quota_with(backend.clone(), &name, 1, ttl)
+        .poll_interval(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let holder = holders.try_acquire("holder").await.unwrap();
+    backend.slow_subscribe(true); // the waiters' subscription takes 150 ms
+    backend.answer_late(Some("a")); // a's answers come back 150 ms after they were decided
+    let waiters = common::quota_with(backend.clone(), &name, 1, ttl)
+        .poll_interval(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let spawn = |id: &'static str| {
+        let q = waiters.clone();
+        tokio::spawn(async move { q.acquire_timeout(id, Duration::from_secs(3)).await })
+    };
+    let decided = |what: &'static str| {
+        let backend = backend.clone();
+        async move {
+            tokio::time::timeout(Duration::from_secs(2), backend.decided_late.notified())
+                .await
+                .unwrap_or_else(|_| panic!("{what} never went out"))
+        }
+    };
+    let a = spawn("a");
+    decided("a's first attempt").await;
+    // The subscription is made: every waiter re-checks. a's re-check is decided (full: the
+    // holder still holds) and its answer is on its way back.
+    decided("a's re-check").await;
+    let b = spawn("b");
+    let both_wait = || waiters.debug_sizes().waiters == 2;
+    assert!(common::eventually(Duration::from_secs(2), both_wait).await);
+    holder.release().await.unwrap();
+    let first = tokio::select! {
+        r = a => { drop(r.unwrap().unwrap()); "a" }
+        r = b => { drop(r.unwrap().unwrap()); "b" }
+    };
+    assert_eq!(
+        first, "a",
+        "the younger b took the slot freed during a's re-check"
+    );
+}

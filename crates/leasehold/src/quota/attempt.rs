@@ -149,7 +149,10 @@ impl Shared {
                 let admitted = match &reply {
                     Ok(found @ (AcquireReply::Acquired(record) | AcquireReply::Held(record))) => {
                         match shared.adopt_unless_local(record, sent) {
-                            Ok(lease) => Some(lease),
+                            Ok(lease) => {
+                                shared.waiters.task_admitted(&id);
+                                Some(lease)
+                            }
                             Err(kept) => {
                                 shared.give_back_beside_local(found).await;
                                 local = Some(kept);
