@@ -568,8 +568,15 @@ impl Backend for RedisBackend {
                 Some(found) => found,
                 None => acquires.entry(keys.name.clone()).or_default(),
             };
+            let settings = (ttl.as_millis(), limit);
+            if !by_settings.contains_key(&settings) {
+                // The queues of other settings no call uses now go: handles built with a ttl
+                // per job (or a limit per deploy) left one each for the process's life (found
+                // by review). A caller holds its queue until answered, so none is in use here.
+                by_settings.retain(|_, queue| Arc::strong_count(queue) > 1);
+            }
             by_settings
-                .entry((ttl.as_millis(), limit))
+                .entry(settings)
                 .or_insert_with(|| {
                     Arc::new(Queue {
                         keys: Arc::new(keys.clone()),

@@ -224,3 +224,36 @@ async fn the_last_handle_of_a_quota_takes_its_per_name_state_with_it() {
     // Only the quota still held keeps its state (its epoch, and its queues).
     assert_eq!(names(&backend), (1, 1, 1));
 }
+
+/// A long-lived handle beside short-lived ones built with a ttl per job: the admission queues of
+/// settings no call uses any more go, instead of one per distinct ttl for the process's life
+/// (found by review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_queues_of_settings_no_call_uses_do_not_pile_up() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let keeper = quota("per-job", true, Arc::new(backend.clone()));
+    keeper
+        .try_acquire("kept")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    for ms in 0..20u64 {
+        let job = Quota::builder("per-job")
+            .limit(1)
+            .ttl(Duration::from_millis(5_000 + ms))
+            .shared_backend(Arc::new(backend.clone()))
+            .build()
+            .unwrap();
+        job.try_acquire("job")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let queues = backend.inner.acquires.lock().unwrap()["per-job"].len();
+    assert!(queues <= 2, "{queues} admission queues kept for one quota");
+}
