@@ -603,6 +603,11 @@ impl Quota {
                     retry_after: r,
                     cause,
                 } => {
+                    // Admitted meanwhile through another caller or handle of this process (the
+                    // full answer was on its way): that lease is this task's.
+                    if let Some(held) = shared.held_lease_of(task_id) {
+                        return Ok(Lease::from_inner(held));
+                    }
                     retry_after = r;
                     quarantined = matches!(cause, FullCause::Quarantined { .. });
                     place.idle();

@@ -244,11 +244,16 @@ impl WaitQueue {
 
     /// `task_id` now holds a lease in this process: its waiters idle in line try again, and
     /// come back `held`, instead of at their next poll (found by review: a second `acquire` of
-    /// a task waited a whole poll for the lease its task had). One out on an attempt hears it
-    /// from that attempt.
+    /// a task waited a whole poll for the lease its task had). One out on an attempt, or already
+    /// asked to make one, finds the lease when that attempt is answered (`wait_for_slot`); asked
+    /// again, the waiter just admitted (its attempt was started for it) would leave with a
+    /// re-check it passes on, and a younger waiter would ask for nothing (found by review).
     pub(crate) fn task_admitted(&self, task_id: &str) {
         for w in self.lock().iter().filter(|w| w.task_id == task_id) {
-            let idle = w.state().doing == Doing::Waiting;
+            let idle = {
+                let state = w.state();
+                state.doing == Doing::Waiting && state.asked_nothing()
+            };
             if idle {
                 w.ask(Asked::Recheck);
             }

@@ -337,3 +337,53 @@ async fn a_second_waiter_of_a_task_gets_its_lease_as_the_first_is_admitted() {
         "x2 waited {gap:?} for its task's lease"
     );
 }
+
+/// The admission of a waiter's task wakes the task's other waiters, not the waiter it was made
+/// for, whose attempt was started for it before its task ran: woken too, it left with a re-check
+/// it passed on, and the next waiter (another task) went out on an attempt that could only be
+/// refused (found by review).
+///
+/// current_thread runtime: the waiters run only when this thread lets them, and a 40 ms block
+/// (well inside TAKE_GRACE) stands for a busy runtime.
+#[tokio::test]
+async fn an_admitted_waiter_sends_no_pointless_recheck_to_the_next_one() {
+    let fx = Fixture::memory().await;
+    let counting = common::counting::Counting::new(fx.backend.clone());
+    let quota = fx
+        .builder(1, Duration::from_secs(30))
+        .poll_interval(Duration::from_secs(10))
+        .shared_backend(counting.clone())
+        .build()
+        .unwrap();
+    common::warm_up(&quota).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let holder = quota.try_acquire("h").await.unwrap();
+    let spawn = |id: &'static str| {
+        let quota = quota.clone();
+        tokio::spawn(async move { quota.acquire(id).await })
+    };
+    let a = spawn("a");
+    assert!(counting.all_refused(&["a"], Duration::from_secs(5)).await);
+    let b = spawn("b"); // behind a: no attempt of its own
+    assert!(common::eventually(Duration::from_secs(2), || quota.debug_sizes().waiters == 2).await);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let b_refused_before = counting.refused("b");
+    holder.release().await.unwrap();
+    // The release event reaches the leasehold runtime, which starts a's attempt and adopts its
+    // admission, while a's task cannot run yet.
+    std::thread::sleep(Duration::from_millis(40));
+    let lease = tokio::time::timeout(Duration::from_secs(2), a)
+        .await
+        .expect("a served at the release")
+        .unwrap()
+        .unwrap();
+    assert_eq!(lease.task_id(), "a");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let extra = counting.refused("b") - b_refused_before;
+    b.abort();
+    assert_eq!(
+        extra, 0,
+        "b was sent on {extra} attempt(s) that could only be refused (a re-check a's own \
+         admission asked of a, passed on when a left)"
+    );
+}
