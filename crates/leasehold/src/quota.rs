@@ -17,7 +17,7 @@ use crate::keys::{
     MAX_LIMIT_VERSION,
 };
 use crate::lease::Lease;
-use crate::waiters::WaitQueue;
+use crate::waiters::{Place, WaitQueue};
 use crate::{admissions, heartbeat, runtime};
 
 mod attempt;
@@ -536,7 +536,8 @@ impl Quota {
             .waiters
             .join(task_id, shared.held_lease_of(task_id).is_some());
         if try_at_once {
-            match self.settled(self.attempt(task_id).await)? {
+            let attempt = shared.start_attempt(task_id);
+            match self.settled(self.in_line(attempt, &place).await)? {
                 Attempt::Admitted(lease) | Attempt::AlreadyHeld(lease) => return Ok(lease),
                 Attempt::Full {
                     retry_after: r,
@@ -586,7 +587,7 @@ impl Quota {
                 Some(started) => started,
                 None => shared.start_attempt(task_id),
             };
-            let outcome = self.settled(attempt.outcome().await);
+            let outcome = self.settled(self.in_line(attempt, &place).await);
             if !matches!(outcome, Ok(Attempt::Admitted(_) | Attempt::Full { .. })) {
                 // This waiter leaves without having taken a slot (another caller of its task
                 // holds it, or an error: cancelled, the backend down...): a freed slot its
@@ -633,6 +634,15 @@ impl Quota {
     /// A duration uniformly jittered between half and one and a half of `base`.
     fn jitter(&self, base: Duration) -> Duration {
         base.mul_f64(rand::rng().random_range(0.5..1.5))
+    }
+
+    /// The outcome of a waiter's attempt. Slots freed while it is out are counted on the waiter,
+    /// which tries again at once if refused; if it does not read a refusal in time (its task
+    /// does not run), they go to the next waiters instead (`WaitQueue::stalled`).
+    async fn in_line(&self, attempt: StartedAttempt, place: &Place<'_>) -> Result<Attempt> {
+        let (shared, token) = (self.shared.clone(), place.stall_token());
+        let if_stalled = Box::new(move || shared.waiters.stalled(token));
+        attempt.outcome_or_if_stalled(Some(if_stalled)).await
     }
 
     /// One admission attempt, run to completion on the leasehold runtime even if the caller stops

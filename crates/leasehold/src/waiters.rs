@@ -53,6 +53,9 @@ struct WaiterState {
     /// How many times the waiter went out on an attempt: an attempt a waker started for it is
     /// only kept if the waiter has not moved since the waker chose it.
     rounds: u64,
+    /// Its attempt was refused and it has not read the refusal in time: its task is not running
+    /// (see [`WaitQueue::stalled`]). Freed slots skip it until it reads.
+    stalled: bool,
 }
 
 impl WaiterState {
@@ -64,6 +67,7 @@ impl WaiterState {
     fn go_out(&mut self, asked: Option<Asked>) {
         self.doing = asked.map_or(Doing::OwnAttempt, Doing::WokenAttempt);
         self.rounds += 1;
+        self.stalled = false;
     }
 
     /// Takes one wake-up, a freed slot first.
@@ -98,6 +102,12 @@ enum Doing {
     OwnAttempt,
     /// Out on an attempt a wake-up asked for.
     WokenAttempt(Asked),
+}
+
+/// A waiter out on one round of attempts, for [`WaitQueue::stalled`].
+pub(crate) struct StallToken {
+    waiter: Arc<Waiter>,
+    rounds: u64,
 }
 
 /// A place in the queue; leaving it (drop) hands any pending wake-up to the next waiter.
@@ -260,6 +270,40 @@ impl WaitQueue {
         }
     }
 
+    /// The waiter of `token` was refused and has not read the refusal in time (its task is not
+    /// running: a future parked in a `select!`, a blocked runtime), while still out on that
+    /// round. Slots freed meanwhile were counted on it, since it would try again at once; they go
+    /// to the next waiters instead, which can run, or stay with it if nobody else waits, and
+    /// later ones skip it until it reads (found by review: the slot sat free for as long as the
+    /// waiter was parked, up to a line poll).
+    pub(crate) fn stalled(&self, token: StallToken) {
+        let freed = {
+            let mut state = token.waiter.state();
+            if state.rounds != token.rounds || state.doing == Doing::Waiting {
+                return;
+            }
+            state.stalled = true;
+            std::mem::take(&mut state.freed)
+        };
+        for _ in 0..freed {
+            let queue = self.lock();
+            let others = || queue.iter().filter(|w| !Arc::ptr_eq(w, &token.waiter));
+            let next = others()
+                .find(|w| {
+                    let state = w.state();
+                    state.asked_nothing()
+                        && state.doing != Doing::WokenAttempt(Asked::FreedSlot)
+                        && !state.stalled
+                })
+                .or_else(|| others().find(|w| w.state().asked_nothing()))
+                .or_else(|| others().next());
+            match next {
+                Some(w) => w.ask(Asked::FreedSlot),
+                None => token.waiter.state().freed += 1,
+            }
+        }
+    }
+
     fn promote_head(&self) {
         if let Some(head) = self.lock().front() {
             // The new head must arm the expiry timer: wake it without asking for an attempt.
@@ -315,7 +359,9 @@ impl Waiter {
 fn next_in_line(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
     queue.iter().find(|w| {
         let state = w.state();
-        state.asked_nothing() && state.doing != Doing::WokenAttempt(Asked::FreedSlot)
+        state.asked_nothing()
+            && state.doing != Doing::WokenAttempt(Asked::FreedSlot)
+            && !state.stalled
     })
 }
 
@@ -330,6 +376,14 @@ fn keeper(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
 }
 
 impl Place<'_> {
+    /// This waiter's current round out, for [`WaitQueue::stalled`].
+    pub(crate) fn stall_token(&self) -> StallToken {
+        StallToken {
+            waiter: self.waiter.clone(),
+            rounds: self.waiter.state().rounds,
+        }
+    }
+
     /// True when this waiter is the oldest in the queue.
     pub(crate) fn is_head(&self) -> bool {
         self.queue
@@ -398,6 +452,7 @@ impl Place<'_> {
         let mut state = self.waiter.state();
         state.newcomer = false;
         state.doing = Doing::Waiting;
+        state.stalled = false;
     }
 }
 

@@ -10,8 +10,10 @@
 
 mod common;
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::task::Poll;
+use std::time::{Duration, Instant};
 
 use common::counting::Counting;
 use common::switchable::Switchable;
@@ -244,5 +246,105 @@ async fn a_slot_freed_during_an_older_waiters_re_check_stays_its() {
     assert_eq!(
         first, "a",
         "the younger b took the slot freed during a's re-check"
+    );
+}
+
+/// A quota of `limit` on the memory backend, ttl 30 s, polling every `poll`, and its backend,
+/// which counts refusals. Its event subscription is in place when this returns.
+async fn memory_quota(limit: u64, poll: Duration) -> (Quota, Arc<Counting>) {
+    let fx = common::Fixture::memory().await;
+    let counting = Counting::new(fx.backend.clone());
+    let quota = fx
+        .builder(limit, Duration::from_secs(30))
+        .poll_interval(poll)
+        .shared_backend(counting.clone())
+        .build()
+        .unwrap();
+    common::warm_up(&quota).await;
+    (quota, counting)
+}
+
+async fn assert_refused(counting: &Counting, id: &str) {
+    assert!(
+        counting.all_refused(&[id], Duration::from_secs(5)).await,
+        "{id}'s first attempt was answered full"
+    );
+}
+
+fn waiter(
+    quota: &Quota,
+    id: &'static str,
+    within: Duration,
+) -> tokio::task::JoinHandle<leasehold::Result<leasehold::Lease>> {
+    let quota = quota.clone();
+    tokio::spawn(async move { quota.acquire_timeout(id, within).await })
+}
+
+/// A caller that keeps its `acquire` future across a `select!` loop (polled once, then not while
+/// another arm's body runs) leaves its waiter out on its own attempt. A slot freed then was
+/// counted on that waiter, which would try again at once, and a runnable waiter behind it was
+/// not woken: the slot sat free until the parked future ran again (found by review: 1.5 s and
+/// more, with b timing out after 2 s). A refusal not read within 100 ms now passes such slots on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_parked_during_its_own_attempt_does_not_keep_a_freed_slot_from_a_runnable_one() {
+    let (quota, counting) = memory_quota(1, Duration::from_secs(5)).await;
+    let h = quota.try_acquire("h").await.unwrap();
+    let (polled_tx, polled_rx) = tokio::sync::oneshot::channel();
+    let parked = {
+        let quota = quota.clone();
+        tokio::spawn(async move {
+            let acquire = quota.acquire("p");
+            tokio::pin!(acquire);
+            // As `loop { select! { l = &mut acquire => .., m = rx.recv() => handle(m).await } }`
+            // does: the future is polled once, then not again while `handle` runs.
+            std::future::poll_fn(|cx| {
+                assert!(acquire.as_mut().poll(cx).is_pending());
+                Poll::Ready(())
+            })
+            .await;
+            polled_tx.send(()).unwrap();
+            tokio::time::sleep(Duration::from_secs(3)).await; // another arm's body
+            let got = acquire.await;
+            (got.map(|l| l.task_id().to_owned()), Instant::now())
+        })
+    };
+    polled_rx.await.unwrap();
+    assert_refused(&counting, "p").await; // p's first attempt was answered (p has not seen it)
+    let b = waiter(&quota, "b", Duration::from_secs(2));
+    assert_refused(&counting, "b").await; // b: refused, in line, runnable
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(quota.debug_sizes().waiters, 2);
+
+    h.release().await.unwrap();
+    let released = Instant::now();
+    let mut free_for = Duration::ZERO;
+    while released.elapsed() < Duration::from_millis(1500) {
+        if common::holder_ids(&quota).await.is_empty() {
+            free_for = released.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let b = b.await.unwrap();
+    let b_after = released.elapsed();
+    let b_held = b
+        .as_ref()
+        .map(|l| l.task_id().to_owned())
+        .map_err(|e| e.to_string());
+    drop(b); // p's turn once it runs again
+    let (p, p_at) = tokio::time::timeout(Duration::from_secs(10), parked)
+        .await
+        .expect("p served once it ran again")
+        .unwrap();
+    println!(
+        "slot still free {free_for:?} after the release; b: {:?} after {b_after:?}; \
+         p (parked 3 s): {p:?} {:?} after the release",
+        b_held,
+        p_at - released
+    );
+    assert_eq!(p.as_deref().ok(), Some("p"));
+    assert!(
+        b_held.is_ok(),
+        "the runnable waiter b was not served ({b_after:?}) while the slot stayed free \
+         ({free_for:?} after the release): the wake-up sat with the parked waiter p"
     );
 }

@@ -1,6 +1,6 @@
 //! One admission attempt, run to completion on the leasehold runtime whoever still waits for it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -33,6 +33,10 @@ pub(crate) enum Attempt {
 /// on a slot others could use: the admission is released and the waiter tries again later.
 const TAKE_GRACE: Duration = Duration::from_millis(100);
 
+/// Run by an attempt's task, on leasehold's runtime, when the attempt was refused and its caller
+/// did not read the refusal within [`TAKE_GRACE`] of it: the caller's task is not running.
+pub(crate) type IfStalled = Box<dyn FnOnce() + Send>;
+
 /// An admission attempt under way (or decided at once, without the backend).
 pub(crate) enum StartedAttempt {
     Done(Result<Attempt>),
@@ -40,6 +44,10 @@ pub(crate) enum StartedAttempt {
         outcome: oneshot::Receiver<Result<Attempt>>,
         /// For an attempt started on a waiter's behalf: tells it the waiter is there to take it.
         taken: Option<oneshot::Sender<()>>,
+        /// Tells the attempt's task that its outcome was read.
+        read: oneshot::Sender<()>,
+        /// What the task runs if a refusal is not read in time (`outcome_or_if_stalled`).
+        if_stalled: Arc<Mutex<Option<IfStalled>>>,
     },
 }
 
@@ -55,13 +63,31 @@ impl std::fmt::Debug for StartedAttempt {
 impl StartedAttempt {
     /// Waits for the attempt's outcome.
     pub(crate) async fn outcome(self) -> Result<Attempt> {
+        self.outcome_or_if_stalled(None).await
+    }
+
+    /// Waits for the attempt's outcome; if the attempt is refused and this future does not
+    /// read the refusal within [`TAKE_GRACE`] (it is not polled: a parked future, a blocked
+    /// runtime), `if_stalled` runs then, on leasehold's runtime.
+    pub(crate) async fn outcome_or_if_stalled(
+        self,
+        if_stalled: Option<IfStalled>,
+    ) -> Result<Attempt> {
         match self {
             StartedAttempt::Done(outcome) => outcome,
-            StartedAttempt::Running { outcome, taken } => {
+            StartedAttempt::Running {
+                outcome,
+                taken,
+                read,
+                if_stalled: slot,
+            } => {
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = if_stalled;
                 if let Some(taken) = taken {
                     let _ = taken.send(());
                 }
-                outcome.await.unwrap_or_else(|_| {
+                let outcome = outcome.await;
+                let _ = read.send(());
+                outcome.unwrap_or_else(|_| {
                     Err(Error::unavailable(
                         Unavailable::NoReply,
                         "leasehold runtime stopped during an attempt",
@@ -133,6 +159,9 @@ impl Shared {
             }
             false => (None, None),
         };
+        let (read, read_rx) = oneshot::channel();
+        let if_stalled: Arc<Mutex<Option<IfStalled>>> = Arc::default();
+        let stalled = if_stalled.clone();
         let shared = self.clone();
         let id = task_id.to_owned();
         let work = self.admissions.pending.start();
@@ -243,19 +272,38 @@ impl Shared {
                 Err(e @ Error::BackendUnavailable { .. }) => shared.when_down(&id, e),
                 Err(e) => Err(e),
             };
-            if let Err(Ok(Attempt::Admitted(orphan) | Attempt::AlreadyHeld(orphan))) =
-                tx.send(outcome)
-            {
-                // The caller gave up. A retry of the same task already in flight will come back
-                // `held` with this very lease: keep it until that retry has adopted it, then let
-                // it go; if nobody shares it, its drop releases it at once. This attempt no longer
-                // counts: another orphan of the task must not wait for it, nor it for them.
-                drop(counted);
-                shared.wait_for_other_attempts(&id).await;
-                drop(orphan);
+            let refused = matches!(outcome, Ok(Attempt::Full { .. }));
+            match tx.send(outcome) {
+                Err(Ok(Attempt::Admitted(orphan) | Attempt::AlreadyHeld(orphan))) => {
+                    // The caller gave up. A retry of the same task already in flight will come
+                    // back `held` with this very lease: keep it until that retry has adopted it,
+                    // then let it go; if nobody shares it, its drop releases it at once. This
+                    // attempt no longer counts: another orphan of the task must not wait for
+                    // it, nor it for them.
+                    drop(counted);
+                    shared.wait_for_other_attempts(&id).await;
+                    drop(orphan);
+                }
+                Ok(()) if refused => {
+                    // Done, for `flush` and for other attempts of the task; only the caller's
+                    // reading is watched now.
+                    drop((counted, _work));
+                    if tokio::time::timeout(TAKE_GRACE, read_rx).await.is_err() {
+                        let if_stalled = stalled.lock().unwrap_or_else(|e| e.into_inner()).take();
+                        if let Some(if_stalled) = if_stalled {
+                            if_stalled();
+                        }
+                    }
+                }
+                _ => {}
             }
         });
-        StartedAttempt::Running { outcome: rx, taken }
+        StartedAttempt::Running {
+            outcome: rx,
+            taken,
+            read,
+            if_stalled,
+        }
     }
 
     /// Admission attempts of `task_id` under way in this process.
