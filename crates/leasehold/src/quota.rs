@@ -607,6 +607,9 @@ impl Quota {
                     // Admitted meanwhile through another caller or handle of this process (the
                     // full answer was on its way): that lease is this task's.
                     if let Some(held) = shared.held_lease_of(task_id) {
+                        // The refusal settles a freed slot this waiter was woken for: taken by
+                        // someone else, not to be passed on (found by review).
+                        place.took_slot();
                         return Ok(Lease::from_inner(held));
                     }
                     retry_after = r;
@@ -641,7 +644,11 @@ impl Quota {
     /// does not run), they go to the next waiters instead (`WaitQueue::stalled`).
     async fn in_line(&self, attempt: StartedAttempt, place: &Place<'_>) -> Result<Attempt> {
         let (shared, token) = (self.shared.clone(), place.stall_token());
-        let if_stalled = Box::new(move || shared.waiters.stalled(token));
+        let if_stalled = Box::new(move || {
+            shared
+                .waiters
+                .stalled(token, |task_id| shared.start_attempt_for(task_id, true))
+        });
         attempt.outcome_or_if_stalled(Some(if_stalled)).await
     }
 

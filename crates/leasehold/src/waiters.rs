@@ -160,7 +160,9 @@ impl WaitQueue {
         let trying = skip_line
             || queue.iter().all(|w| {
                 let state = w.state();
-                state.newcomer && state.freed == 0
+                // A stalled waiter's task does not run: it holds nobody back, whatever slot
+                // it was promised (found by review: a newcomer then waited for its line poll).
+                state.stalled || (state.newcomer && state.freed == 0)
             });
         let waiter = Arc::new(Waiter {
             task_id: task_id.to_owned(),
@@ -188,7 +190,7 @@ impl WaitQueue {
     /// keeps it for its next round (see [`keeper`]) so none is lost.
     fn pass_on(&self, asked: Asked) {
         let queue = self.lock();
-        if let Some(w) = next_in_line(&queue).or_else(|| keeper(&queue)) {
+        if let Some(w) = next_in_line(queue.iter()).or_else(|| keeper(queue.iter())) {
             w.ask(asked);
         }
     }
@@ -197,9 +199,25 @@ impl WaitQueue {
     /// is started here, by `start`, so it leaves at once from where the news arrived instead of
     /// after a hop to the waiter's own runtime and back.
     pub(crate) fn wake_one_starting(&self, start: impl FnOnce(&str) -> StartedAttempt) {
+        self.give_freed_slot(None, start);
+    }
+
+    /// Gives one freed slot to the earliest waiter in line other than `except`
+    /// ([`next_in_line`]), starting its attempt if it is idle, or else to a [`keeper`]. Returns
+    /// false if there is nobody but `except`.
+    fn give_freed_slot(
+        &self,
+        except: Option<&Arc<Waiter>>,
+        start: impl FnOnce(&str) -> StartedAttempt,
+    ) -> bool {
         let chosen = {
             let queue = self.lock();
-            match next_in_line(&queue) {
+            let others = || {
+                queue
+                    .iter()
+                    .filter(|w| except.is_none_or(|e| !Arc::ptr_eq(w, e)))
+            };
+            match next_in_line(others()) {
                 Some(w) => {
                     let mut state = w.state();
                     // Counted now, so that no other wake-up picks this waiter meanwhile.
@@ -208,12 +226,13 @@ impl WaitQueue {
                     let idle = state.doing == Doing::Waiting;
                     Some((w.clone(), idle, state.rounds))
                 }
-                None => {
-                    if let Some(w) = keeper(&queue) {
+                None => match keeper(others()) {
+                    Some(w) => {
                         w.ask(Asked::FreedSlot);
+                        None
                     }
-                    None
-                }
+                    None => return false,
+                },
             }
         };
         if let Some((w, idle, rounds)) = chosen {
@@ -222,6 +241,7 @@ impl WaitQueue {
             let started = idle.then(|| start(&w.task_id));
             w.wake(started, rounds);
         }
+        true
     }
 
     /// Something may have been missed (lagging events, a resubscription, a misconfiguration):
@@ -276,7 +296,7 @@ impl WaitQueue {
     /// to the next waiters instead, which can run, or stay with it if nobody else waits, and
     /// later ones skip it until it reads (found by review: the slot sat free for as long as the
     /// waiter was parked, up to a line poll).
-    pub(crate) fn stalled(&self, token: StallToken) {
+    pub(crate) fn stalled(&self, token: StallToken, start: impl Fn(&str) -> StartedAttempt) {
         let freed = {
             let mut state = token.waiter.state();
             if state.rounds != token.rounds || state.doing == Doing::Waiting {
@@ -286,26 +306,16 @@ impl WaitQueue {
             std::mem::take(&mut state.freed)
         };
         for _ in 0..freed {
-            let queue = self.lock();
-            let others = || queue.iter().filter(|w| !Arc::ptr_eq(w, &token.waiter));
-            let next = others()
-                .find(|w| {
-                    let state = w.state();
-                    state.asked_nothing()
-                        && state.doing != Doing::WokenAttempt(Asked::FreedSlot)
-                        && !state.stalled
-                })
-                .or_else(|| others().find(|w| w.state().asked_nothing()))
-                .or_else(|| others().next());
-            match next {
-                Some(w) => w.ask(Asked::FreedSlot),
-                None => token.waiter.state().freed += 1,
+            if !self.give_freed_slot(Some(&token.waiter), &start) {
+                token.waiter.state().freed += 1;
             }
         }
+        // A waiter behind it may now be the one to watch expiries (`Place::is_head`).
+        self.promote_head();
     }
 
     fn promote_head(&self) {
-        if let Some(head) = self.lock().front() {
+        if let Some(head) = head(&self.lock()) {
             // The new head must arm the expiry timer: wake it without asking for an attempt.
             head.notify.notify_one();
         }
@@ -356,8 +366,8 @@ impl Waiter {
 /// before the slot freed, so the slot is kept for that waiter, which tries again at once if it
 /// is refused (found by review: a slot freed during an older waiter's re-check went to a younger
 /// waiter).
-fn next_in_line(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
-    queue.iter().find(|w| {
+fn next_in_line<'a>(mut waiters: impl Iterator<Item = &'a Arc<Waiter>>) -> Option<&'a Arc<Waiter>> {
+    waiters.find(|w| {
         let state = w.state();
         state.asked_nothing()
             && state.doing != Doing::WokenAttempt(Asked::FreedSlot)
@@ -366,12 +376,27 @@ fn next_in_line(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
 }
 
 /// Who keeps a wake-up for their next round when every waiter is attempting: the oldest one not
-/// already keeping one (so that several releases during a round of attempts are spread), else
-/// the head, which then keeps several.
-fn keeper(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
+/// stalled and not already keeping one (so that several releases during a round of attempts are
+/// spread), else the oldest not stalled, which then keeps several; a stalled one only if nobody
+/// else waits (found by review: a slot kept by a parked waiter reached no one who could run).
+fn keeper<'a>(waiters: impl Iterator<Item = &'a Arc<Waiter>> + Clone) -> Option<&'a Arc<Waiter>> {
+    let mut all = waiters.clone();
+    waiters
+        .clone()
+        .find(|w| {
+            let state = w.state();
+            !state.stalled && state.asked_nothing()
+        })
+        .or_else(|| waiters.clone().find(|w| !w.state().stalled))
+        .or_else(|| all.next())
+}
+
+/// The waiter that watches expiries: the oldest not stalled (one whose task does not run would
+/// arm no timer), else the oldest.
+fn head(queue: &VecDeque<Arc<Waiter>>) -> Option<&Arc<Waiter>> {
     queue
         .iter()
-        .find(|w| w.state().asked_nothing())
+        .find(|w| !w.state().stalled)
         .or_else(|| queue.front())
 }
 
@@ -386,10 +411,7 @@ impl Place<'_> {
 
     /// True when this waiter is the oldest in the queue.
     pub(crate) fn is_head(&self) -> bool {
-        self.queue
-            .lock()
-            .front()
-            .is_some_and(|w| Arc::ptr_eq(w, &self.waiter))
+        head(&self.queue.lock()).is_some_and(|w| Arc::ptr_eq(w, &self.waiter))
     }
 
     /// Waits for a wake-up, unless one is already pending. Returns true if it asks for an
@@ -461,18 +483,22 @@ impl Drop for Place<'_> {
         let was_head;
         {
             let mut queue = self.queue.lock();
-            was_head = queue.front().is_some_and(|w| Arc::ptr_eq(w, &self.waiter));
+            was_head = head(&queue).is_some_and(|w| Arc::ptr_eq(w, &self.waiter));
             queue.retain(|w| !Arc::ptr_eq(w, &self.waiter));
         }
         let (freed, recheck) = {
-            let state = self.waiter.state();
+            let mut state = self.waiter.state();
             // Dropped (a timeout, a `select!`) while out on an attempt for a freed slot, before
             // that attempt said whether it took the slot: if it took none (an error, the task's
             // lease held elsewhere), nobody else would be told the slot is free until a poll.
             // Passed on: if it did take it, the next waiter is refused once, and woken again
             // when the unclaimed admission is let go.
             let unsettled = state.doing == Doing::WokenAttempt(Asked::FreedSlot);
-            (state.freed + u32::from(unsettled), state.recheck)
+            // Taken, and the round ended: a stall hook of this round that runs now finds
+            // nothing to pass on a second time (found by review).
+            let freed = std::mem::take(&mut state.freed) + u32::from(unsettled);
+            state.doing = Doing::Waiting;
+            (freed, std::mem::take(&mut state.recheck))
         };
         if freed == 0 && !recheck {
             if was_head {
@@ -687,5 +713,76 @@ mod tests {
         q.pass_on(Asked::FreedSlot);
         drop(a); // leaves (timeout) holding an unused wake-up
         assert!(b.woken().await);
+    }
+
+    async fn woken_soon(p: &Place<'_>) -> bool {
+        matches!(
+            tokio::time::timeout(Duration::from_millis(100), p.woken()).await,
+            Ok(true)
+        )
+    }
+
+    /// A slot freed while every runnable waiter is attempting is kept by one of them, not by a
+    /// stalled (parked) waiter (found by review).
+    #[tokio::test]
+    async fn a_slot_freed_while_others_attempt_is_not_kept_by_a_stalled_waiter() {
+        let q = WaitQueue::default();
+        let a = in_line(&q);
+        let b = in_line(&q);
+        a.attempting(); // a's poll goes out ...
+        q.stalled(a.stall_token(), |_| full()); // ... is refused, a's future is parked: the hook runs
+        q.pass_on(Asked::FreedSlot); // slot 1 frees: b, idle, is woken
+        assert!(b.woken().await); // b out for slot 1
+                                  // slot 2 frees while b is out: nobody in line -> keeper
+        q.wake_one_starting(|_| full());
+        // b refused (another process took slot 1); b reads it at once
+        b.idle();
+        assert!(
+            woken_soon(&b).await,
+            "slot 2 sits with the parked waiter a (keeper ignores `stalled`); runnable b is not told"
+        );
+    }
+
+    /// A stalled waiter's freed slot goes to a runnable waiter, even one out on an attempt, rather
+    /// than to another stalled waiter (found by review).
+    #[tokio::test]
+    async fn a_stalled_waiters_slot_goes_to_a_runnable_waiter_not_another_stalled_one() {
+        let q = WaitQueue::default();
+        let c = in_line(&q);
+        let a = in_line(&q);
+        let b = in_line(&q);
+        c.attempting();
+        q.stalled(c.stall_token(), |_| full()); // c parked
+        a.attempting(); // a's poll out
+        q.pass_on(Asked::FreedSlot); // slot 1: counted on a (out on its own attempt)
+        q.pass_on(Asked::FreedSlot); // slot 2: b
+        assert!(b.woken().await); // b out for slot 2
+        q.stalled(a.stall_token(), |_| full()); // a refused, parked: its slot 1 is passed on...
+        b.idle(); // b refused (slot 2 taken by another process), reads at once
+        assert!(
+            woken_soon(&b).await,
+            "slot 1 went to the parked waiter c, whose hook already ran; runnable b never hears of it"
+        );
+        drop((a, c));
+    }
+
+    /// The stall hook runs just as the waiter's future is dropped: the slot `Place::drop` passed
+    /// on is not passed on a second time (found by review).
+    #[tokio::test]
+    async fn a_stall_hook_after_the_waiter_left_passes_nothing_twice() {
+        let q = WaitQueue::default();
+        let a = in_line(&q);
+        let b = in_line(&q);
+        let c = in_line(&q);
+        a.attempting();
+        q.pass_on(Asked::FreedSlot); // one slot, counted on a
+        let token = a.stall_token();
+        drop(a); // a leaves (acquire_timeout elapsed): its slot goes to b
+        q.stalled(token, |_| full()); // the hook, already under way, completes
+        assert!(woken_soon(&b).await);
+        assert!(
+            !woken_soon(&c).await,
+            "one freed slot woke two waiters: counted by Place::drop and again by the hook"
+        );
     }
 }

@@ -348,3 +348,49 @@ async fn a_waiter_parked_during_its_own_attempt_does_not_keep_a_freed_slot_from_
          ({free_for:?} after the release): the wake-up sat with the parked waiter p"
     );
 }
+
+/// A slot freed after a waiter stalled (its future parked, its refusal unread) is kept for it
+/// while nobody else waits; a runnable newcomer then tries at once and takes it, instead of
+/// waiting in line behind the parked waiter for its line poll (found by review: it timed out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newcomer_is_not_held_back_by_a_stalled_waiter() {
+    let (quota, counting) = memory_quota(1, Duration::from_secs(5)).await;
+    let h = quota.try_acquire("h").await.unwrap();
+    let (polled_tx, polled_rx) = tokio::sync::oneshot::channel();
+    let parked = {
+        let quota = quota.clone();
+        tokio::spawn(async move {
+            let acquire = quota.acquire("p");
+            tokio::pin!(acquire);
+            std::future::poll_fn(|cx| {
+                assert!(acquire.as_mut().poll(cx).is_pending());
+                Poll::Ready(())
+            })
+            .await;
+            polled_tx.send(()).unwrap();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            acquire.await.map(|l| l.task_id().to_owned())
+        })
+    };
+    polled_rx.await.unwrap();
+    assert_refused(&counting, "p").await;
+    tokio::time::sleep(Duration::from_millis(200)).await; // p's hook has run: p is `stalled`
+    h.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let d = waiter(&quota, "d", Duration::from_secs(2)).await.unwrap();
+    let free = common::holder_ids(&quota).await.is_empty();
+    println!(
+        "d: {:?} after {:?}",
+        d.as_ref()
+            .map(|l| l.task_id().to_owned())
+            .map_err(|e| e.to_string()),
+        started.elapsed()
+    );
+    drop(d);
+    let _ = tokio::time::timeout(Duration::from_secs(10), parked).await;
+    assert!(
+        !free,
+        "runnable newcomer d timed out after 2 s while the slot stayed free, promised to parked p"
+    );
+}
