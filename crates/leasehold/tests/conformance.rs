@@ -67,6 +67,8 @@ conformance!(
     an_answer_that_the_task_holds_no_lease_ends_the_lease_this_process_believed_held,
     a_forced_release_of_a_task_of_this_process_ends_its_lease_at_once,
     a_waiter_told_quarantined_does_not_poll_until_the_quarantine_ends,
+    fencing_tokens_stop_at_2_pow_53_minus_1,
+    a_new_handle_after_the_last_one_went_starts_afresh_after_a_loss,
 );
 
 async fn admits_up_to_the_limit_then_full(fx: Fixture) {
@@ -2239,4 +2241,60 @@ async fn drop_then_flush_after_a_cancel(fx: Fixture) {
         left.len(),
         &left[..left.len().min(5)]
     );
+}
+
+/// No token above 2^53 - 1 is issued (the scripts' integers stop there, and renew could not take
+/// it back): acquire refuses with "fencing tokens exhausted". The memory backend issued 2^53,
+/// then refused its own token at the renewal (found by review).
+async fn fencing_tokens_stop_at_2_pow_53_minus_1(fx: Fixture) {
+    const MAX: u64 = (1 << 53) - 1;
+    let keys = fx.keys();
+    let short = Duration::from_millis(50);
+    let AcquireReply::Acquired(first) = fx.backend.acquire(&keys, "a", short, 5).await.unwrap()
+    else {
+        panic!("the first acquire was not admitted")
+    };
+    fx.wipe();
+    // A holder from before the loss re-registers a lease with the largest token there is.
+    let r = fx
+        .backend
+        .renew(&keys, short, &first.epoch, &[("big".into(), MAX)])
+        .await
+        .unwrap();
+    assert!(
+        matches!(r.outcomes[0], RenewOutcome::Renewed { .. }),
+        "{r:?}"
+    );
+    tokio::time::sleep(short + Duration::from_millis(30)).await; // the quarantine is over
+    let next = fx.backend.acquire(&keys, "x", TTL, 5).await;
+    assert!(
+        matches!(
+            &next,
+            Err(Error::Misconfigured(Misconfiguration::Protocol(m)))
+                if m.contains("fencing tokens exhausted")
+        ),
+        "{next:?}"
+    );
+}
+
+/// What a client keeps of a quota (the epoch it saw) goes with the quota's last handle: a later
+/// handle starts afresh, as a new process would, and is not quarantined for a loss of data no
+/// lease of it saw. The memory backend kept it (found by review).
+async fn a_new_handle_after_the_last_one_went_starts_afresh_after_a_loss(fx: Fixture) {
+    let quota = fx.quota(2, Duration::from_secs(2));
+    quota
+        .try_acquire("a")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    quota.flush().await;
+    drop(quota);
+    // The handle's background tasks let go of it, and with them its state goes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fx.wipe();
+    let fresh = fx.quota(2, Duration::from_secs(2));
+    let got = fresh.try_acquire("b").await;
+    assert!(got.is_ok(), "{got:?}");
 }
