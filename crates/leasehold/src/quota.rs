@@ -223,8 +223,11 @@ impl Quota {
     /// arrival order; they are woken by release events, by a timer to the earliest lease
     /// deadline, and by a bounded, jittered poll in case an event was lost. Order is kept
     /// among the waiters this process knows to be waiting: a newcomer whose first attempt is
-    /// still out when another arrives is not ahead of it yet, and a younger waiter's
-    /// safety-net poll may take a slot that freed during an older waiter's round trip.
+    /// still out when another arrives is not ahead of it yet, a younger waiter's
+    /// safety-net poll may take a slot that freed during an older waiter's round trip, and a
+    /// waiter that does not read a refusal within 100 ms (its future not polled, its runtime
+    /// blocked) lets younger waiters go first until it reads, rather than keep a free slot
+    /// from them.
     ///
     /// Waiting is for a free slot, not for the backend: when the backend cannot answer, the
     /// quota's [`BackendDownPolicy`](crate::BackendDownPolicy) decides (the default fails closed
