@@ -225,7 +225,7 @@ impl Quota {
     /// among the waiters this process knows to be waiting: a newcomer whose first attempt is
     /// still out when another arrives is not ahead of it yet, a younger waiter's
     /// safety-net poll may take a slot that freed during an older waiter's round trip, and a
-    /// waiter that does not read a refusal within 100 ms (its future not polled, its runtime
+    /// waiter that does not read a refusal within a second (its future not polled, its runtime
     /// blocked) lets younger waiters go first until it reads, rather than keep a free slot
     /// from them.
     ///

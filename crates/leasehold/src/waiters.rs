@@ -298,11 +298,20 @@ impl WaitQueue {
     /// waiter was parked, up to a line poll).
     pub(crate) fn stalled(&self, token: StallToken, start: impl Fn(&str) -> StartedAttempt) {
         let freed = {
+            // Under the queue's lock, which a waker holds from choosing a waiter to counting a
+            // slot on it: a slot is never counted on a waiter going stalled meanwhile, whose
+            // hook has run (found by review).
+            let _queue = self.lock();
             let mut state = token.waiter.state();
             if state.rounds != token.rounds || state.doing == Doing::Waiting {
                 return;
             }
             state.stalled = true;
+            if state.doing == Doing::WokenAttempt(Asked::FreedSlot) {
+                // The refusal settled the slot it was woken for: taken by someone else, not to
+                // be passed on if the waiter leaves before it reads (found by review).
+                state.doing = Doing::WokenAttempt(Asked::Recheck);
+            }
             std::mem::take(&mut state.freed)
         };
         for _ in 0..freed {
@@ -783,6 +792,25 @@ mod tests {
         assert!(
             !woken_soon(&c).await,
             "one freed slot woke two waiters: counted by Place::drop and again by the hook"
+        );
+    }
+
+    /// A stalled waiter's refusal settled the slot it was woken for (taken elsewhere): if its
+    /// future is dropped before it reads, nothing is passed on for that slot (found by review).
+    #[tokio::test]
+    async fn a_stalled_waiter_that_leaves_passes_on_no_phantom_slot() {
+        let q = WaitQueue::default();
+        let a = in_line(&q);
+        let b = in_line(&q);
+        q.pass_on(Asked::FreedSlot); // a slot frees: a goes out for it
+        assert!(a.woken().await);
+        // a's attempt is refused (another process took the slot), and its future is parked
+        // past the grace: the hook runs, with nothing counted on a to pass on.
+        q.stalled(a.stall_token(), |_| full());
+        drop(a); // its future is dropped (a timeout), the refusal never read
+        assert!(
+            !woken_soon(&b).await,
+            "b was asked to attempt for a slot nobody freed"
         );
     }
 }

@@ -284,7 +284,8 @@ fn waiter(
 /// another arm's body runs) leaves its waiter out on its own attempt. A slot freed then was
 /// counted on that waiter, which would try again at once, and a runnable waiter behind it was
 /// not woken: the slot sat free until the parked future ran again (found by review: 1.5 s and
-/// more, with b timing out after 2 s). A refusal not read within 100 ms now passes such slots on.
+/// more, with b timing out after 2 s). A refusal not read within a second now passes such
+/// slots on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_parked_during_its_own_attempt_does_not_keep_a_freed_slot_from_a_runnable_one() {
     let (quota, counting) = memory_quota(1, Duration::from_secs(5)).await;
@@ -303,14 +304,14 @@ async fn a_waiter_parked_during_its_own_attempt_does_not_keep_a_freed_slot_from_
             })
             .await;
             polled_tx.send(()).unwrap();
-            tokio::time::sleep(Duration::from_secs(3)).await; // another arm's body
+            tokio::time::sleep(Duration::from_secs(5)).await; // another arm's body
             let got = acquire.await;
             (got.map(|l| l.task_id().to_owned()), Instant::now())
         })
     };
     polled_rx.await.unwrap();
     assert_refused(&counting, "p").await; // p's first attempt was answered (p has not seen it)
-    let b = waiter(&quota, "b", Duration::from_secs(2));
+    let b = waiter(&quota, "b", Duration::from_secs(4));
     assert_refused(&counting, "b").await; // b: refused, in line, runnable
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert_eq!(quota.debug_sizes().waiters, 2);
@@ -318,7 +319,7 @@ async fn a_waiter_parked_during_its_own_attempt_does_not_keep_a_freed_slot_from_
     h.release().await.unwrap();
     let released = Instant::now();
     let mut free_for = Duration::ZERO;
-    while released.elapsed() < Duration::from_millis(1500) {
+    while released.elapsed() < Duration::from_millis(3000) {
         if common::holder_ids(&quota).await.is_empty() {
             free_for = released.elapsed();
         }
@@ -337,7 +338,7 @@ async fn a_waiter_parked_during_its_own_attempt_does_not_keep_a_freed_slot_from_
         .unwrap();
     println!(
         "slot still free {free_for:?} after the release; b: {:?} after {b_after:?}; \
-         p (parked 3 s): {p:?} {:?} after the release",
+         p (parked 5 s): {p:?} {:?} after the release",
         b_held,
         p_at - released
     );
@@ -368,13 +369,13 @@ async fn a_newcomer_is_not_held_back_by_a_stalled_waiter() {
             })
             .await;
             polled_tx.send(()).unwrap();
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
             acquire.await.map(|l| l.task_id().to_owned())
         })
     };
     polled_rx.await.unwrap();
     assert_refused(&counting, "p").await;
-    tokio::time::sleep(Duration::from_millis(200)).await; // p's hook has run: p is `stalled`
+    tokio::time::sleep(Duration::from_millis(1200)).await; // p's hook has run: p is `stalled`
     h.release().await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = Instant::now();

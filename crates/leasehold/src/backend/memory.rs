@@ -3,7 +3,7 @@
 //! For single-process use, tests and the demo. Its clock is monotonic (a wall-clock reading
 //! taken once, advanced by `Instant`), so it plays the role of the Redis server's `TIME`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -40,6 +40,9 @@ pub struct MemoryBackend {
     /// When every quota's expired cancel markers are dropped next (backend ms): a quota that
     /// goes idle is never acquired or cancelled again, and kept them for good (found by review).
     next_marker_sweep_ms: AtomicU64,
+    /// The quotas that may hold cancel markers: the sweep visits these only, not every quota
+    /// state ever made (found by review: 30 ms stalls at 100 000 quotas). Locked after `quotas`.
+    marked: Mutex<HashSet<String>>,
 }
 
 /// Epochs, as the Redis protocol keeps them: the store's (lost with the data) and the one its
@@ -192,6 +195,7 @@ impl MemoryBackend {
             quotas: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
             next_marker_sweep_ms: AtomicU64::new(0),
+            marked: Mutex::new(HashSet::new()),
         }
     }
 
@@ -243,9 +247,14 @@ impl MemoryBackend {
         let now = self.now_ms();
         if now >= self.next_marker_sweep_ms.load(Ordering::Relaxed) {
             // As Redis expires them by their TTL, at most a second late.
-            for state in quotas.values_mut() {
-                state.prune_markers(now);
-            }
+            let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
+            marked.retain(|name| match quotas.get_mut(name) {
+                Some(state) => {
+                    state.prune_markers(now);
+                    !state.cancelled.is_empty()
+                }
+                None => false,
+            });
             self.next_marker_sweep_ms
                 .store(now + MARKER_SWEEP_MS, Ordering::Relaxed);
         }
@@ -492,6 +501,10 @@ impl Backend for MemoryBackend {
             q.prune_markers(now);
             q.cancelled
                 .insert(task_id.to_owned(), (reason.to_owned(), expires));
+            self.marked
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(keys.name.clone());
             self.announce(
                 &keys.name,
                 QuotaEvent::Cancelled {

@@ -33,8 +33,14 @@ pub(crate) enum Attempt {
 /// on a slot others could use: the admission is released and the waiter tries again later.
 const TAKE_GRACE: Duration = Duration::from_millis(100);
 
+/// How long a waiter may take to read a refusal before it counts as stalled (see
+/// `WaitQueue::stalled`): longer than a loaded runtime takes to run a woken task, so that
+/// arrival order holds there (at 100 ms, a loaded test machine broke it), and far shorter than
+/// a line poll, which a stalled waiter kept freed slots for.
+const STALL_GRACE: Duration = Duration::from_secs(1);
+
 /// Run by an attempt's task, on leasehold's runtime, when the attempt was refused and its caller
-/// did not read the refusal within [`TAKE_GRACE`] of it: the caller's task is not running.
+/// did not read the refusal within [`STALL_GRACE`] of it: the caller's task is not running.
 pub(crate) type IfStalled = Box<dyn FnOnce() + Send>;
 
 /// An admission attempt under way (or decided at once, without the backend).
@@ -67,7 +73,7 @@ impl StartedAttempt {
     }
 
     /// Waits for the attempt's outcome; if the attempt is refused and this future does not
-    /// read the refusal within [`TAKE_GRACE`] (it is not polled: a parked future, a blocked
+    /// read the refusal within [`STALL_GRACE`] (it is not polled: a parked future, a blocked
     /// runtime), `if_stalled` runs then, on leasehold's runtime.
     pub(crate) async fn outcome_or_if_stalled(
         self,
@@ -288,7 +294,7 @@ impl Shared {
                     // Done, for `flush` and for other attempts of the task; only the caller's
                     // reading is watched now.
                     drop((counted, _work));
-                    if tokio::time::timeout(TAKE_GRACE, read_rx).await.is_err() {
+                    if tokio::time::timeout(STALL_GRACE, read_rx).await.is_err() {
                         let if_stalled = stalled.lock().unwrap_or_else(|e| e.into_inner()).take();
                         if let Some(if_stalled) = if_stalled {
                             if_stalled();
