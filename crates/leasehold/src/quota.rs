@@ -225,9 +225,10 @@ impl Quota {
     /// among the waiters this process knows to be waiting: a newcomer whose first attempt is
     /// still out when another arrives is not ahead of it yet, a younger waiter's
     /// safety-net poll may take a slot that freed during an older waiter's round trip, and a
-    /// waiter that does not read a refusal within a second (its future not polled, its runtime
-    /// blocked) lets younger waiters go first until it reads, rather than keep a free slot
-    /// from them.
+    /// waiter whose task does not run in time (its future not polled, its runtime blocked) lets
+    /// younger waiters go first rather than keep a free slot from them: a slot won for it is
+    /// given back after 250 ms, and once it has left a refusal unread for a second, slots go
+    /// to others until it reads.
     ///
     /// Waiting is for a free slot, not for the backend: when the backend cannot answer, the
     /// quota's [`BackendDownPolicy`](crate::BackendDownPolicy) decides (the default fails closed

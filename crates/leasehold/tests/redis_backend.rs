@@ -1608,7 +1608,7 @@ fn a_slot_a_wedged_waiter_gives_back_keeps_the_lease_another_caller_shares() {
         "the release event admitted the wedged waiter's task"
     );
     let shared = main.block_on(quota.try_acquire("x")).unwrap();
-    // Past the 100 ms grace after which the wedged waiter's slot is given back.
+    // Past the 250 ms grace after which the wedged waiter's slot is given back.
     std::thread::sleep(Duration::from_millis(400));
     assert_eq!(shared.lost_reason(), None, "a lease in use was given back");
     let status = main.block_on(holders.status()).unwrap();
