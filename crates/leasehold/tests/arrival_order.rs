@@ -10,13 +10,12 @@
 
 mod common;
 
-use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use common::counting::Counting;
 use common::switchable::Switchable;
+use common::waiting::{assert_refused, memory_quota, parked_acquire, waiter};
 use leasehold::Quota;
 
 struct Race {
@@ -249,37 +248,6 @@ async fn a_slot_freed_during_an_older_waiters_re_check_stays_its() {
     );
 }
 
-/// A quota of `limit` on the memory backend, ttl 30 s, polling every `poll`, and its backend,
-/// which counts refusals. Its event subscription is in place when this returns.
-async fn memory_quota(limit: u64, poll: Duration) -> (Quota, Arc<Counting>) {
-    let fx = common::Fixture::memory().await;
-    let counting = Counting::new(fx.backend.clone());
-    let quota = fx
-        .builder(limit, Duration::from_secs(30))
-        .poll_interval(poll)
-        .shared_backend(counting.clone())
-        .build()
-        .unwrap();
-    common::warm_up(&quota).await;
-    (quota, counting)
-}
-
-async fn assert_refused(counting: &Counting, id: &str) {
-    assert!(
-        counting.all_refused(&[id], Duration::from_secs(5)).await,
-        "{id}'s first attempt was answered full"
-    );
-}
-
-fn waiter(
-    quota: &Quota,
-    id: &'static str,
-    within: Duration,
-) -> tokio::task::JoinHandle<leasehold::Result<leasehold::Lease>> {
-    let quota = quota.clone();
-    tokio::spawn(async move { quota.acquire_timeout(id, within).await })
-}
-
 /// A caller that keeps its `acquire` future across a `select!` loop (polled once, then not while
 /// another arm's body runs) leaves its waiter out on its own attempt. A slot freed then was
 /// counted on that waiter, which would try again at once, and a runnable waiter behind it was
@@ -289,27 +257,10 @@ fn waiter(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_parked_during_its_own_attempt_does_not_keep_a_freed_slot_from_a_runnable_one() {
     let (quota, counting) = memory_quota(1, Duration::from_secs(5)).await;
+    common::warm_up(&quota).await;
     let h = quota.try_acquire("h").await.unwrap();
-    let (polled_tx, polled_rx) = tokio::sync::oneshot::channel();
-    let parked = {
-        let quota = quota.clone();
-        tokio::spawn(async move {
-            let acquire = quota.acquire("p");
-            tokio::pin!(acquire);
-            // As `loop { select! { l = &mut acquire => .., m = rx.recv() => handle(m).await } }`
-            // does: the future is polled once, then not again while `handle` runs.
-            std::future::poll_fn(|cx| {
-                assert!(acquire.as_mut().poll(cx).is_pending());
-                Poll::Ready(())
-            })
-            .await;
-            polled_tx.send(()).unwrap();
-            tokio::time::sleep(Duration::from_secs(5)).await; // another arm's body
-            let got = acquire.await;
-            (got.map(|l| l.task_id().to_owned()), Instant::now())
-        })
-    };
-    polled_rx.await.unwrap();
+    // As `loop { select! { l = &mut acquire => .., m = rx.recv() => handle(m).await } }` does.
+    let parked = parked_acquire(&quota, "p", Duration::from_secs(5)).await;
     assert_refused(&counting, "p").await; // p's first attempt was answered (p has not seen it)
     let b = waiter(&quota, "b", Duration::from_secs(4));
     assert_refused(&counting, "b").await; // b: refused, in line, runnable
@@ -356,24 +307,9 @@ async fn a_waiter_parked_during_its_own_attempt_does_not_keep_a_freed_slot_from_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newcomer_is_not_held_back_by_a_stalled_waiter() {
     let (quota, counting) = memory_quota(1, Duration::from_secs(5)).await;
+    common::warm_up(&quota).await;
     let h = quota.try_acquire("h").await.unwrap();
-    let (polled_tx, polled_rx) = tokio::sync::oneshot::channel();
-    let parked = {
-        let quota = quota.clone();
-        tokio::spawn(async move {
-            let acquire = quota.acquire("p");
-            tokio::pin!(acquire);
-            std::future::poll_fn(|cx| {
-                assert!(acquire.as_mut().poll(cx).is_pending());
-                Poll::Ready(())
-            })
-            .await;
-            polled_tx.send(()).unwrap();
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            acquire.await.map(|l| l.task_id().to_owned())
-        })
-    };
-    polled_rx.await.unwrap();
+    let parked = parked_acquire(&quota, "p", Duration::from_secs(5)).await;
     assert_refused(&counting, "p").await;
     tokio::time::sleep(Duration::from_millis(1200)).await; // p's hook has run: p is `stalled`
     h.release().await.unwrap();

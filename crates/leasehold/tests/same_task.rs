@@ -291,14 +291,7 @@ async fn a_forced_release_waits_for_an_acquire_of_its_task_under_way() {
 /// lease at once, not at its next poll (5 s here; found by review: 2.5 s later).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_waiter_of_a_task_gets_its_lease_as_the_first_is_admitted() {
-    let fx = Fixture::memory().await;
-    let counting = common::counting::Counting::new(fx.backend.clone());
-    let quota = fx
-        .builder(1, Duration::from_secs(30))
-        .poll_interval(Duration::from_secs(5))
-        .shared_backend(counting.clone())
-        .build()
-        .unwrap();
+    let (quota, counting) = common::waiting::memory_quota(1, Duration::from_secs(5)).await;
     common::warm_up(&quota).await;
     let holder = quota.try_acquire("h").await.unwrap();
     let spawn = |id: &'static str| {
@@ -347,14 +340,7 @@ async fn a_second_waiter_of_a_task_gets_its_lease_as_the_first_is_admitted() {
 /// (well inside TAKE_GRACE) stands for a busy runtime.
 #[tokio::test]
 async fn an_admitted_waiter_sends_no_pointless_recheck_to_the_next_one() {
-    let fx = Fixture::memory().await;
-    let counting = common::counting::Counting::new(fx.backend.clone());
-    let quota = fx
-        .builder(1, Duration::from_secs(30))
-        .poll_interval(Duration::from_secs(10))
-        .shared_backend(counting.clone())
-        .build()
-        .unwrap();
+    let (quota, counting) = common::waiting::memory_quota(1, Duration::from_secs(10)).await;
     common::warm_up(&quota).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     let holder = quota.try_acquire("h").await.unwrap();

@@ -9,41 +9,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::counting::Counting;
+use common::waiting::{assert_refused, memory_quota, waiter};
 use common::Fixture;
-use leasehold::{Lease, Quota};
-use tokio::task::JoinHandle;
-
-/// A quota of `limit` on the memory backend, ttl 30 s, polling every `poll`, and its backend,
-/// which counts refusals.
-async fn memory_quota(limit: u64, poll: Duration) -> (Quota, std::sync::Arc<Counting>) {
-    let fx = Fixture::memory().await;
-    let counting = Counting::new(fx.backend.clone());
-    let quota = fx
-        .builder(limit, Duration::from_secs(30))
-        .poll_interval(poll)
-        .shared_backend(counting.clone())
-        .build()
-        .unwrap();
-    (quota, counting)
-}
-
-/// Asserts that `id`'s first attempt was answered full (within 5 s).
-async fn assert_refused(counting: &Counting, id: &str) {
-    assert!(
-        counting.all_refused(&[id], Duration::from_secs(5)).await,
-        "{id}'s first attempt was answered full"
-    );
-}
-
-/// A task waiting at most `within` for a slot of `quota` for task `id`.
-fn waiter(
-    quota: &Quota,
-    id: &'static str,
-    within: Duration,
-) -> JoinHandle<leasehold::Result<Lease>> {
-    let quota = quota.clone();
-    tokio::spawn(async move { quota.acquire_timeout(id, within).await })
-}
 
 /// Two slots free while the only waiter `a` has not yet taken its first wake-up (its runtime is
 /// busy for 60 ms, within the 100 ms a started attempt waits to be taken). The second release

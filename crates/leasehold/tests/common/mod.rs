@@ -8,6 +8,7 @@ pub mod processes;
 pub mod proxied;
 pub mod scripts;
 pub mod switchable;
+pub mod waiting;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
