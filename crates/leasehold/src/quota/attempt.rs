@@ -1,6 +1,6 @@
 //! One admission attempt, run to completion on the leasehold runtime whoever still waits for it.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -51,12 +51,12 @@ pub(crate) enum StartedAttempt {
     Done(Result<Attempt>),
     Running {
         outcome: oneshot::Receiver<Result<Attempt>>,
-        /// For an attempt started on a waiter's behalf: tells it the waiter is there to take it.
-        taken: Option<oneshot::Sender<()>>,
+        /// Tells the attempt's task that its caller waits for the outcome (for an attempt
+        /// started on a waiter's behalf: that the waiter is there to take it), with what to run
+        /// if a refusal is not read in time (`outcome_or_if_stalled`).
+        taken: oneshot::Sender<Option<IfStalled>>,
         /// Tells the attempt's task that its outcome was read.
         read: oneshot::Sender<()>,
-        /// What the task runs if a refusal is not read in time (`outcome_or_if_stalled`).
-        if_stalled: Arc<Mutex<Option<IfStalled>>>,
     },
 }
 
@@ -88,12 +88,8 @@ impl StartedAttempt {
                 outcome,
                 taken,
                 read,
-                if_stalled: slot,
             } => {
-                *slot.lock().unwrap_or_else(|e| e.into_inner()) = if_stalled;
-                if let Some(taken) = taken {
-                    let _ = taken.send(());
-                }
+                let _ = taken.send(if_stalled);
                 let outcome = outcome.await;
                 let _ = read.send(());
                 outcome.unwrap_or_else(|_| {
@@ -161,16 +157,8 @@ impl Shared {
             return StartedAttempt::Done(self.when_down(task_id, down));
         }
         let (tx, rx) = oneshot::channel();
-        let (taken, taken_rx) = match for_waiter {
-            true => {
-                let (taken, taken_rx) = oneshot::channel();
-                (Some(taken), Some(taken_rx))
-            }
-            false => (None, None),
-        };
+        let (taken, mut taken_rx) = oneshot::channel::<Option<IfStalled>>();
         let (read, read_rx) = oneshot::channel();
-        let if_stalled: Arc<Mutex<Option<IfStalled>>> = Arc::default();
-        let stalled = if_stalled.clone();
         let shared = self.clone();
         let id = task_id.to_owned();
         let work = self.admissions.pending.start();
@@ -219,10 +207,14 @@ impl Shared {
                 let _ = tx.send(Ok(Attempt::AlreadyHeld(Lease::from_inner(local))));
                 return;
             }
-            if let Some(taken_rx) = taken_rx {
+            // What to run if a refusal is not read in time: sent by the caller as it waits.
+            let mut if_stalled = None;
+            if for_waiter {
                 // Usually taken long before the reply; otherwise the waiter is not running.
-                let taken = matches!(tokio::time::timeout(TAKE_GRACE, taken_rx).await, Ok(Ok(())));
-                if !taken {
+                let taken = tokio::time::timeout(TAKE_GRACE, &mut taken_rx).await;
+                if let Ok(Ok(hook)) = taken {
+                    if_stalled = hook;
+                } else {
                     if let Some(unclaimed) = admitted {
                         // Given back the way an orphan is: another caller of the same task may
                         // already share this admission (its acquire came back `held`), and then
@@ -297,9 +289,14 @@ impl Shared {
                     // Done, for `flush` and for other attempts of the task; only the caller's
                     // reading is watched now.
                     drop((counted, _work));
-                    if tokio::time::timeout(STALL_GRACE, read_rx).await.is_err() {
-                        let if_stalled = stalled.lock().unwrap_or_else(|e| e.into_inner()).take();
-                        if let Some(if_stalled) = if_stalled {
+                    let deadline = tokio::time::Instant::now() + STALL_GRACE;
+                    if !for_waiter {
+                        // Sent as the caller began to wait, usually before the reply.
+                        let sent = tokio::time::timeout_at(deadline, taken_rx).await;
+                        if_stalled = sent.ok().and_then(Result::ok).flatten();
+                    }
+                    if let Some(if_stalled) = if_stalled {
+                        if tokio::time::timeout_at(deadline, read_rx).await.is_err() {
                             if_stalled();
                         }
                     }
@@ -311,7 +308,6 @@ impl Shared {
             outcome: rx,
             taken,
             read,
-            if_stalled,
         }
     }
 
