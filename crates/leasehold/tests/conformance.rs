@@ -2282,13 +2282,7 @@ async fn fencing_tokens_stop_at_2_pow_53_minus_1(fx: Fixture) {
 /// lease of it saw. The memory backend kept it (found by review).
 async fn a_new_handle_after_the_last_one_went_starts_afresh_after_a_loss(fx: Fixture) {
     let quota = fx.quota(2, Duration::from_secs(2));
-    quota
-        .try_acquire("a")
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    common::warm_up(&quota).await;
     quota.flush().await;
     drop(quota);
     // The handle's background tasks let go of it, and with them its state goes.

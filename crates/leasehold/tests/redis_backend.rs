@@ -719,19 +719,8 @@ async fn a_url_with_a_user_and_no_password_runs_as_that_user() {
     // `default` may touch nothing of leasehold's: an admission proves who ran it.
     server.command(&["ACL", "SETUSER", "default", "resetkeys", "~other:*"]);
     let url = format!("redis://lh@127.0.0.1:{}/", server.port());
-    let backend = RedisBackend::connect(&url).await.unwrap();
-    let quota = Quota::builder("allowed")
-        .limit(1)
-        .backend(backend)
-        .build()
-        .unwrap();
-    quota
-        .try_acquire("a")
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    let quota = quota_at(&url, "allowed", 1, Duration::from_secs(10)).await;
+    common::warm_up(&quota).await;
 
     server.command(&["ACL", "SETUSER", "lh", "resetpass", ">lh-pw"]);
     let refused = RedisBackend::connect(&url).await.unwrap_err();
