@@ -569,7 +569,8 @@ async fn memory_markers_of_a_quota_that_goes_idle_expire() {
     let reason = "r".repeat(1024);
     for i in 0..1000 {
         let task = format!("job-{i}");
-        let marker_ttl = Duration::from_millis(20);
+        // Long enough to outlive this loop: a cancel prunes its own quota's expired markers.
+        let marker_ttl = Duration::from_millis(500);
         backend
             .cancel(&idle, &task, &reason, marker_ttl)
             .await

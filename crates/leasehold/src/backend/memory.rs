@@ -84,7 +84,7 @@ impl Epochs {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct QuotaState {
     fence: u64,
     leases: HashMap<String, Stored>,
@@ -243,29 +243,8 @@ impl MemoryBackend {
     }
 
     fn with_quota<T>(&self, name: &str, f: impl FnOnce(&mut QuotaState, u64) -> T) -> T {
-        let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
-        let now = self.now_ms();
-        if now >= self.next_marker_sweep_ms.load(Ordering::Relaxed) {
-            // As Redis expires them by their TTL, at most a second late.
-            let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
-            marked.retain(|name| match quotas.get_mut(name) {
-                Some(state) => {
-                    state.prune_markers(now);
-                    !state.cancelled.is_empty()
-                }
-                None => false,
-            });
-            self.next_marker_sweep_ms
-                .store(now + MARKER_SWEEP_MS, Ordering::Relaxed);
-        }
-        let state = quotas.entry(name.to_owned()).or_insert_with(|| QuotaState {
-            fence: 0,
-            leases: HashMap::new(),
-            cancelled: HashMap::new(),
-            epochs: Epochs::default(),
-            limit: None,
-        });
-        f(state, now)
+        let (mut quotas, now) = self.quotas_now();
+        f(quotas.entry(name.to_owned()).or_default(), now)
     }
 
     /// Like [`with_quota`](Self::with_quota) for a call that writes nothing (a read, a release
@@ -278,15 +257,31 @@ impl MemoryBackend {
         absent: impl FnOnce(u64) -> T,
         f: impl FnOnce(&mut QuotaState, u64) -> T,
     ) -> T {
-        let exists = self
-            .quotas
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(name);
-        match exists {
-            true => self.with_quota(name, f),
-            false => absent(self.now_ms()),
+        let (mut quotas, now) = self.quotas_now();
+        match quotas.get_mut(name) {
+            Some(state) => f(state, now),
+            None => absent(now),
         }
+    }
+
+    /// The quotas, locked, and the backend's time; expired cancel markers of every quota are
+    /// dropped first, at most once a second, as Redis expires them by their TTL.
+    fn quotas_now(&self) -> (std::sync::MutexGuard<'_, HashMap<String, QuotaState>>, u64) {
+        let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.now_ms();
+        if now >= self.next_marker_sweep_ms.load(Ordering::Relaxed) {
+            let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
+            marked.retain(|name| match quotas.get_mut(name) {
+                Some(state) => {
+                    state.prune_markers(now);
+                    !state.cancelled.is_empty()
+                }
+                None => false,
+            });
+            self.next_marker_sweep_ms
+                .store(now + MARKER_SWEEP_MS, Ordering::Relaxed);
+        }
+        (quotas, now)
     }
 }
 
