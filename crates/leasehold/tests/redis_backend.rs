@@ -2022,12 +2022,10 @@ async fn dropped_quotas_do_not_stay_subscribed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_channel_let_go_during_an_outage_is_unsubscribed_once_the_link_is_back() {
     let mut server = RedisServer::start();
-    let backend = std::sync::Arc::new(RedisBackend::connect(&server.url()).await.unwrap());
+    let backend = common::connect(&server.url()).await;
+    let ttl = Duration::from_secs(5);
     let quota = |name: &str| {
-        Quota::builder(name)
-            .limit(1)
-            .ttl(Duration::from_secs(5))
-            .shared_backend(backend.clone())
+        common::quota_with(backend.clone(), name, 1, ttl)
             .build()
             .unwrap()
     };
